@@ -1,0 +1,186 @@
+"""compose.yaml and brokers/rabbitmq/ agree with the Compose schema, the CLI and the code.
+
+No Docker engine runs here, so these checks are what stops a deployment file from
+naming a subcommand, flag, setting, user or queue argument that does not exist.
+RabbitMQ refuses to re-declare a queue with other arguments, so the definitions file
+must match what ``triggerflow.rabbitmq.Topology`` declares.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import re
+from pathlib import Path
+from typing import Any
+from urllib.parse import unquote, urlsplit
+
+import click
+import jsonschema
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+COMPOSE_SCHEMA = Path(__file__).resolve().parents[2] / "shared" / "schemas" / "compose-spec.json"
+COMPOSE: dict[str, Any] = yaml.safe_load((ROOT / "compose.yaml").read_text())
+DEFINITIONS: dict[str, Any] = json.loads(
+    (ROOT / "brokers" / "rabbitmq" / "definitions.json").read_text()
+)
+NAMESPACE = "triggerflow"
+DELIVERY_LIMIT = 5
+
+
+def _built_here(service: dict[str, Any]) -> bool:
+    build = service.get("build")
+    context = build.get("context") if isinstance(build, dict) else build
+    return context in (".", "./")
+
+
+APP = {name: svc for name, svc in COMPOSE["services"].items() if _built_here(svc)}
+HEALTHCHECKED = {name: svc for name, svc in APP.items() if "healthcheck" in svc}
+
+
+def _option_values(command: list[str], flag: str) -> list[str]:
+    return [command[i + 1] for i, arg in enumerate(command[:-1]) if arg == flag]
+
+
+# The team queues are the ones the topology job declares.
+(TOPOLOGY_JOB,) = [svc for svc in APP.values() if svc["command"][:2] == ["topology", "apply"]]
+TEAM_QUEUES = _option_values(TOPOLOGY_JOB["command"], "--queue")
+CONSUMERS = {name: svc for name, svc in APP.items() if svc["command"][0] == "consume"}
+
+
+def _resolve(argv: list[str]) -> click.Command:
+    """Walk ``triggerflow.cli.main`` as click would and check every flag in ``argv``."""
+    from triggerflow.cli import main
+
+    command: click.Command = main
+    path = ["triggerflow"]
+    rest = list(argv)
+    while isinstance(command, click.Group) and rest and not rest[0].startswith("-"):
+        name = rest.pop(0)
+        assert name in command.commands, f"{' '.join(path)} has no subcommand {name!r}"
+        command = command.commands[name]
+        path.append(name)
+    assert not isinstance(command, click.Group) or command.invoke_without_command, (
+        f"{' '.join(path)} needs a subcommand"
+    )
+    flags = {opt for param in command.params for opt in (*param.opts, *param.secondary_opts)}
+    for arg in rest:
+        if arg.startswith("-"):
+            flag = arg.split("=", 1)[0]
+            assert flag in flags, f"{' '.join(path)} has no option {flag} (has {sorted(flags)})"
+    return command
+
+
+def _amqp_credentials(service: dict[str, Any]) -> tuple[str, str, str]:
+    url = urlsplit(service["environment"]["TRIGGERFLOW_AMQP_URL"])
+    assert url.username and url.password is not None
+    vhost = unquote(url.path[1:]) or "/"
+    return unquote(url.username), unquote(url.password), vhost
+
+
+def _user_permissions(user: str, vhost: str) -> dict[str, str]:
+    (perms,) = [p for p in DEFINITIONS["permissions"] if p["user"] == user and p["vhost"] == vhost]
+    return perms
+
+
+def test_compose_matches_the_compose_specification() -> None:
+    if not COMPOSE_SCHEMA.is_file():
+        pytest.skip(f"Compose schema not found at {COMPOSE_SCHEMA}")
+    schema = json.loads(COMPOSE_SCHEMA.read_text())
+    errors = [
+        f"{'/'.join(map(str, e.absolute_path))}: {e.message}"
+        for e in jsonschema.Draft7Validator(schema).iter_errors(COMPOSE)
+    ]
+    assert errors == []
+
+
+@pytest.mark.parametrize("service", sorted(APP))
+def test_command_is_a_cli_command(service: str) -> None:
+    _resolve(APP[service]["command"])
+
+
+@pytest.mark.parametrize("service", sorted(HEALTHCHECKED))
+def test_healthcheck_is_a_cli_command(service: str) -> None:
+    kind, program, *argv = HEALTHCHECKED[service]["healthcheck"]["test"]
+    assert (kind, program) == ("CMD", "triggerflow")
+    _resolve(argv)
+
+
+@pytest.mark.parametrize("service", sorted(APP))
+def test_environment_names_settings(service: str) -> None:
+    from triggerflow.settings import Settings
+
+    prefix = "TRIGGERFLOW_"
+    names = {key.removeprefix(prefix).lower() for key in APP[service].get("environment", {})}
+    assert names - set(Settings.model_fields) == set()
+
+
+@pytest.mark.parametrize("service", sorted(APP))
+def test_amqp_user_exists_with_that_password(service: str) -> None:
+    user, password, vhost = _amqp_credentials(APP[service])
+    (entry,) = [u for u in DEFINITIONS["users"] if u["name"] == user]
+    assert entry["hashing_algorithm"] == "rabbit_password_hashing_sha256"
+    salted = base64.b64decode(entry["password_hash"])
+    salt, digest = salted[:4], salted[4:]
+    assert hashlib.sha256(salt + password.encode()).digest() == digest
+    assert _user_permissions(user, vhost)
+
+
+@pytest.mark.parametrize("service", sorted(CONSUMERS))
+def test_consumer_user_may_read_and_publish_for_its_queues(service: str) -> None:
+    user, _, vhost = _amqp_credentials(CONSUMERS[service])
+    read = _user_permissions(user, vhost)["read"]
+    topic_write = {
+        p["exchange"]: p["write"]
+        for p in DEFINITIONS["topic_permissions"]
+        if p["user"] == user and p["vhost"] == vhost
+    }
+    queues = _option_values(CONSUMERS[service]["command"], "--queue")
+    assert queues
+    for queue in queues:
+        assert queue in TEAM_QUEUES
+        assert re.match(read, queue), f"{user} may not consume {queue}"
+        for exchange in (f"{NAMESPACE}.deferrals", f"{NAMESPACE}.events"):
+            pattern = topic_write.get(exchange, ".*")
+            assert re.match(pattern, queue), f"{user} may not publish {queue} to {exchange}"
+
+
+def test_writer_knows_each_consumers_user() -> None:
+    writers = [svc for svc in APP.values() if svc["command"] == ["writer"]]
+    assert writers
+    expected = {
+        queue: _amqp_credentials(svc)[0]
+        for svc in CONSUMERS.values()
+        for queue in _option_values(svc["command"], "--queue")
+    }
+    for writer in writers:
+        assert json.loads(writer["environment"]["TRIGGERFLOW_TEAM_USERS"]) == expected
+
+
+def test_team_queues_are_bound_by_their_name() -> None:
+    bindings = {(b["source"], b["destination"], b["routing_key"]) for b in DEFINITIONS["bindings"]}
+    for queue in TEAM_QUEUES:
+        assert (f"{NAMESPACE}.deferrals", queue, queue) in bindings
+    queues = {q["name"] for q in DEFINITIONS["queues"]}
+    exchanges = {e["name"] for e in DEFINITIONS["exchanges"]}
+    for source, destination, _ in bindings:
+        assert source in exchanges and destination in queues
+
+
+def test_queue_arguments_match_topology() -> None:
+    from triggerflow.rabbitmq import Topology
+
+    expected = Topology(namespace=NAMESPACE).queue_arguments(delivery_limit=DELIVERY_LIMIT)
+    arguments = {q["name"]: q["arguments"] for q in DEFINITIONS["queues"]}
+    for queue in [*TEAM_QUEUES, f"{NAMESPACE}.events"]:
+        assert arguments[queue] == expected, queue
+
+
+def test_exchanges_match_topology() -> None:
+    from triggerflow.rabbitmq import Topology
+
+    declared = {e["name"]: e["type"] for e in DEFINITIONS["exchanges"]}
+    assert declared == Topology(namespace=NAMESPACE).exchanges()

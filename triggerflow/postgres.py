@@ -1,0 +1,522 @@
+"""PostgreSQL adapter: the pool, schema upgrades, and every statement the hot paths run.
+
+All SQL lives here, named after what it does. Hot statements are set-based (``unnest`` of
+arrays, one round trip per batch) and use database time only (``now()``), so leases never
+depend on a process's clock. Imports nothing from the broker side.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import asyncpg
+
+log = logging.getLogger(__name__)
+
+Record = asyncpg.Record
+
+# ----------------------------------------------------------------------------- schema
+
+
+def _with_database(dsn: str, database: str) -> str:
+    parts = urlsplit(dsn)
+    return urlunsplit(parts._replace(path=f"/{database}"))
+
+
+def database_name(dsn: str) -> str:
+    return urlsplit(dsn).path.lstrip("/") or "postgres"
+
+
+async def ensure_database(dsn: str) -> bool:
+    """Create the database named by ``dsn`` if it is missing. Returns True when created."""
+    name = database_name(dsn)
+    conn = await asyncpg.connect(_with_database(dsn, "postgres"))
+    try:
+        exists = await conn.fetchval("SELECT 1 FROM pg_database WHERE datname = $1", name)
+        if exists:
+            return False
+        quoted = '"' + name.replace('"', '""') + '"'
+        await conn.execute(f"CREATE DATABASE {quoted}")
+        return True
+    finally:
+        await conn.close()
+
+
+def upgrade_schema(dsn: str, revision: str = "head") -> None:
+    """Apply the Alembic migrations shipped in ``triggerflow/migrations`` (blocking)."""
+    from alembic import command
+    from alembic.config import Config
+
+    cfg = Config()
+    cfg.set_main_option("script_location", str(Path(__file__).with_name("migrations")))
+    url = dsn.replace("postgresql://", "postgresql+asyncpg://", 1)
+    cfg.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
+    command.upgrade(cfg, revision)
+
+
+async def create_pool(dsn: str, *, max_size: int = 4, pgbouncer: bool = False) -> asyncpg.Pool:
+    """A bounded pool. Behind PgBouncer (transaction mode) prepared statements are not cached."""
+    return await asyncpg.create_pool(
+        dsn,
+        min_size=1,
+        max_size=max_size,
+        statement_cache_size=0 if pgbouncer else 256,
+        command_timeout=60,
+        server_settings={"application_name": "triggerflow"},
+    )
+
+
+# ----------------------------------------------------------------------------- SDK
+
+DEFER = """
+WITH input AS (
+    SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::int[], $5::text[], $6::text[],
+                         $7::text[], $8::text[], $9::text[], $10::float8[], $11::text[])
+        WITH ORDINALITY AS i(dag_id, task_id, run_id, map_index, classpath, kwargs, queue,
+                             next_method, next_kwargs, timeout, traceparent, ord)
+), ids AS MATERIALIZED (
+    SELECT nextval(pg_get_serial_sequence('trigger', 'id')) AS id,
+           now() + make_interval(secs => timeout) AS timeout_at, input.*
+    FROM input
+), new_trigger AS (
+    INSERT INTO trigger (id, classpath, kwargs, queue, timeout_at, traceparent)
+    SELECT id, classpath, kwargs, queue, timeout_at, traceparent FROM ids
+), deferred_task AS (
+    INSERT INTO task_instance AS ti (dag_id, task_id, run_id, map_index, state, queue, next_method,
+                                     next_kwargs, trigger_id, trigger_timeout, start_date,
+                                     updated_at)
+    SELECT dag_id, task_id, run_id, map_index, 'deferred', queue, next_method, next_kwargs::jsonb,
+           id, timeout_at, now(), clock_timestamp()
+    FROM ids
+    ON CONFLICT (dag_id, task_id, run_id, map_index) DO UPDATE
+    SET state = 'deferred', queue = EXCLUDED.queue, next_method = EXCLUDED.next_method,
+        next_kwargs = EXCLUDED.next_kwargs, trigger_id = EXCLUDED.trigger_id,
+        trigger_timeout = EXCLUDED.trigger_timeout, result = NULL, end_date = NULL,
+        event_fired_at = NULL, updated_at = EXCLUDED.updated_at
+)
+SELECT id FROM ids ORDER BY ord
+"""
+
+# An unroutable deferral: undo it so the caller's error is the whole truth.
+UNDO_DEFER = """
+WITH gone AS (DELETE FROM trigger WHERE id = ANY($1::bigint[]) AND owner_id IS NULL RETURNING id)
+UPDATE task_instance SET state = 'failed', trigger_id = NULL, trigger_timeout = NULL,
+       next_method = NULL, next_kwargs = jsonb_build_object('error', $2::text),
+       end_date = clock_timestamp(), updated_at = clock_timestamp()
+WHERE trigger_id IN (SELECT id FROM gone) AND state = 'deferred'
+"""
+
+# ----------------------------------------------------------------------------- consumer
+
+REGISTER = """
+INSERT INTO consumer (kind, host, pid, queues, capacity, version, expires_at)
+VALUES ($1, $2, $3, $4::text[], $5, $6, now() + make_interval(secs => $7))
+RETURNING id
+"""
+
+# One row per renewal, whatever the number of triggers held. Also reports, for the queues
+# this process serves, whether a peer's lease has expired (so reaping starts at once) and how
+# many triggers the live peers hold (for rebalancing after a rolling restart).
+RENEW = """
+UPDATE consumer SET renewed_at = now(), expires_at = now() + make_interval(secs => $2),
+       running = $3
+WHERE id = $1 AND expires_at > now()
+RETURNING
+    (SELECT count(*) FROM consumer c
+     WHERE c.expires_at <= now() AND (c.queues && $4::text[] OR cardinality($4::text[]) = 0))
+        AS dead_peers,
+    (SELECT count(*) FROM consumer c
+     WHERE c.kind = 'consumer' AND c.expires_at > now() AND c.queues && $4::text[]) AS live_peers,
+    (SELECT coalesce(sum(c.running), 0) FROM consumer c
+     WHERE c.kind = 'consumer' AND c.expires_at > now() AND c.queues && $4::text[])
+        AS peers_running
+"""
+
+UNREGISTER = "DELETE FROM consumer WHERE id = $1"
+
+_CLAIM_COLUMNS = """
+    c.id, c.attempt, c.classpath, c.kwargs, c.queue, c.failures, c.traceparent,
+    extract(epoch FROM c.timeout_at)::float8 AS timeout_at,
+    format('%s.%s@%s', ti.dag_id, ti.task_id, ti.run_id) AS task
+"""
+
+# Claim delivered ids in one statement: only of my queues, only where no live owner holds
+# them. Suspects (failures > 0) are not claimed here: they run on probation (CLAIM_PROBATION)
+# and come back flagged so the consumer knows to look for them.
+CLAIM = f"""
+WITH candidate AS (
+    SELECT t.id, t.failures FROM trigger t
+    WHERE t.id = ANY($2::bigint[]) AND t.queue = ANY($3::text[])
+      AND t.quarantined_at IS NULL AND NOT ($1 = ANY(t.rejected_by))
+      AND (t.owner_id IS NULL OR NOT EXISTS (
+            SELECT 1 FROM consumer o WHERE o.id = t.owner_id AND o.expires_at > now()))
+    ORDER BY t.id
+    FOR UPDATE OF t SKIP LOCKED
+), claimed AS (
+    UPDATE trigger t SET owner_id = $1, attempt = t.attempt + 1, claimed_at = now()
+    FROM candidate WHERE t.id = candidate.id AND candidate.failures = 0
+    RETURNING t.*
+)
+SELECT {_CLAIM_COLUMNS}, true AS claimed
+FROM claimed c LEFT JOIN task_instance ti ON ti.trigger_id = c.id
+UNION ALL
+SELECT id, 0, '', '', '', failures, NULL, NULL, NULL, false FROM candidate WHERE failures > 0
+"""
+
+# The most suspected unclaimed triggers of my queues, in a group that halves with every
+# ungraceful loss, claimed together and recorded on my row: if I die now, only they are blamed.
+CLAIM_PROBATION = f"""
+WITH worst AS (
+    SELECT max(failures) AS f FROM trigger
+    WHERE queue = ANY($2::text[]) AND owner_id IS NULL AND quarantined_at IS NULL
+      AND failures > 0
+), candidate AS (
+    SELECT t.id FROM trigger t, worst
+    WHERE t.queue = ANY($2::text[]) AND t.owner_id IS NULL AND t.quarantined_at IS NULL
+      AND t.failures = worst.f AND NOT ($1 = ANY(t.rejected_by))
+    ORDER BY t.id
+    LIMIT (SELECT greatest(1, $3::int >> least(worst.f - 1, 30)) FROM worst)
+    FOR UPDATE OF t SKIP LOCKED
+), claimed AS (
+    UPDATE trigger t SET owner_id = $1, attempt = t.attempt + 1, claimed_at = now()
+    FROM candidate WHERE t.id = candidate.id
+    RETURNING t.*
+), on_probation AS (
+    UPDATE consumer SET probation = (SELECT coalesce(array_agg(id), '{{}}') FROM claimed)
+    WHERE id = $1
+)
+SELECT {_CLAIM_COLUMNS}, true AS claimed
+FROM claimed c LEFT JOIN task_instance ti ON ti.trigger_id = c.id
+"""
+
+CLEAR_PROBATION = """
+WITH cleared AS (
+    UPDATE trigger SET failures = 0 WHERE id = ANY($2::bigint[]) AND owner_id = $1 RETURNING id
+)
+UPDATE consumer SET probation = '{}' WHERE id = $1
+"""
+
+# Hand triggers back (graceful: no failure counted) so any consumer of the queue can take
+# them; with $3 the caller also records that it could not load them (mixed code versions).
+RELEASE = """
+UPDATE trigger SET owner_id = NULL, dispatched_at = now(),
+       rejected_by = CASE WHEN $3 THEN rejected_by || $1::bigint ELSE rejected_by END,
+       last_error = coalesce($4, last_error)
+WHERE owner_id = $1 AND ($2::bigint[] IS NULL OR id = ANY($2::bigint[]))
+RETURNING id, queue
+"""
+
+# Live consumers of a queue that have not yet refused a trigger: can anyone else load it?
+OTHER_LOADERS = """
+SELECT count(*) FROM consumer c, trigger t
+WHERE t.id = $1 AND c.kind = 'consumer' AND c.expires_at > now() AND t.queue = ANY(c.queues)
+  AND NOT (c.id = ANY(t.rejected_by)) AND c.id <> $2
+"""
+
+# Backstop for cancellation: triggers I hold whose task is no longer deferred on them.
+SWEEP_CANCELLED = """
+DELETE FROM trigger t
+WHERE t.owner_id = $1 AND NOT EXISTS (
+    SELECT 1 FROM task_instance ti WHERE ti.trigger_id = t.id AND ti.state = 'deferred')
+RETURNING t.id
+"""
+
+# ----------------------------------------------------------------------------- writer
+
+# One statement per batch: lock the named triggers in id order (no deadlocks between
+# writers), keep only the current attempt of a trigger of the event's own queue (fencing),
+# delete the finished triggers, and move each task that is still deferred on one of them.
+APPLY_EVENTS = """
+WITH ev AS (
+    SELECT * FROM unnest($1::bigint[], $2::int[], $3::text[], $4::text[], $5::text[],
+                         $6::float8[])
+        AS e(trigger_id, attempt, queue, kind, payload, fired_at)
+), locked AS (
+    SELECT t.id FROM trigger t JOIN ev
+      ON ev.trigger_id = t.id AND ev.attempt = t.attempt AND ev.queue = t.queue
+    ORDER BY t.id
+    FOR UPDATE OF t
+), finished AS (
+    DELETE FROM trigger t USING locked WHERE t.id = locked.id RETURNING t.id
+), moved AS (
+    UPDATE task_instance ti SET
+        state = CASE WHEN ev.kind IN ('resume', 'fail') THEN 'scheduled' ELSE ev.kind END,
+        next_method = CASE ev.kind WHEN 'resume' THEN ti.next_method
+                                   WHEN 'fail' THEN '__fail__' END,
+        next_kwargs = CASE ev.kind
+            WHEN 'resume' THEN coalesce(ti.next_kwargs, '{}'::jsonb)
+                               || jsonb_build_object('event', ev.payload::jsonb)
+            WHEN 'fail' THEN ev.payload::jsonb END,
+        result = CASE WHEN ev.kind IN ('success', 'failed', 'skipped') THEN ev.payload::jsonb
+                      ELSE ti.result END,
+        end_date = CASE WHEN ev.kind IN ('success', 'failed', 'skipped') THEN clock_timestamp()
+                        ELSE ti.end_date END,
+        trigger_id = NULL, trigger_timeout = NULL,
+        event_fired_at = to_timestamp(ev.fired_at), updated_at = clock_timestamp()
+    FROM finished JOIN ev ON ev.trigger_id = finished.id
+    WHERE ti.trigger_id = finished.id AND ti.state = 'deferred'
+    RETURNING ev.kind, ev.queue, extract(epoch FROM clock_timestamp()) - ev.fired_at AS latency
+)
+SELECT kind, queue, latency FROM moved
+"""
+
+# ----------------------------------------------------------------------------- reaper
+
+# Consumers whose lease expired: free their triggers for re-sending. An ungraceful loss
+# counts against the triggers to blame (those on probation if any, else all); a trigger
+# blamed alone, or too often, is quarantined and its task failed naming the class.
+REAP_DEAD = """
+WITH dead AS (
+    SELECT id, probation FROM consumer
+    WHERE expires_at < now() AND (queues && $1::text[] OR $2)
+    FOR UPDATE SKIP LOCKED
+), blamed AS (
+    SELECT t.id, t.owner_id,
+           (cardinality(d.probation) = 0 OR t.id = ANY(d.probation)) AS blame,
+           d.probation = ARRAY[t.id] AS alone
+    FROM trigger t JOIN dead d ON t.owner_id = d.id
+), freed AS (
+    UPDATE trigger t SET owner_id = NULL, dispatched_at = now(),
+        failures = t.failures + b.blame::int,
+        quarantined_at = CASE WHEN b.blame AND (b.alone OR t.failures + 1 >= $3) THEN now() END,
+        last_error = CASE WHEN b.blame
+            THEN format('consumer %s died while running it (%s ungraceful losses)',
+                        b.owner_id, t.failures + 1)
+            ELSE t.last_error END
+    FROM blamed b WHERE t.id = b.id
+    RETURNING t.id, t.queue, t.classpath, t.failures, t.quarantined_at IS NOT NULL AS quarantined
+), failed AS (
+    UPDATE task_instance ti SET state = 'scheduled', next_method = '__fail__',
+        next_kwargs = jsonb_build_object(
+            'error', 'Trigger quarantined',
+            'message', format('trigger %s (%s) was quarantined after its consumers died %s '
+                              'time(s) while running it', f.id, f.classpath, f.failures),
+            'deferred_next_method', ti.next_method, 'deferred_next_kwargs', ti.next_kwargs),
+        trigger_timeout = NULL, updated_at = clock_timestamp()
+    FROM freed f WHERE f.quarantined AND ti.trigger_id = f.id AND ti.state = 'deferred'
+), gone AS (
+    DELETE FROM consumer WHERE id IN (SELECT id FROM dead) RETURNING id
+)
+SELECT id, queue, classpath, failures, quarantined, (SELECT count(*) FROM gone) AS dead
+FROM freed
+"""
+
+# Triggers nobody claimed within the grace period (a publish lost after commit, a consumer
+# that acked and died before claiming): mark them dispatched again and return them to re-send.
+RESEND_UNCLAIMED = """
+WITH due AS (
+    SELECT id FROM trigger
+    WHERE owner_id IS NULL AND quarantined_at IS NULL
+      AND dispatched_at < now() - make_interval(secs => $3)
+      AND (queue = ANY($1::text[]) OR $2)
+    ORDER BY dispatched_at
+    LIMIT $4
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE trigger t SET dispatched_at = now() FROM due WHERE t.id = due.id
+RETURNING t.id, t.queue
+"""
+
+# Deferred tasks past their timeout (or the default maximum deferral) whose trigger runs on
+# no live consumer: fail them the Airflow way and drop the trigger.
+TIMEOUT_ORPHANS = """
+WITH due AS (
+    SELECT ti.id, ti.trigger_id FROM task_instance ti
+    WHERE ti.state = 'deferred'
+      AND (ti.trigger_timeout < now() - interval '2 seconds'
+           OR (ti.trigger_timeout IS NULL AND ti.updated_at < now() - make_interval(secs => $3)))
+      AND (ti.queue = ANY($1::text[]) OR $2)
+      AND NOT EXISTS (
+          SELECT 1 FROM trigger t JOIN consumer c ON c.id = t.owner_id
+          WHERE t.id = ti.trigger_id AND c.expires_at > now())
+    ORDER BY ti.id
+    LIMIT 10000
+    FOR UPDATE OF ti SKIP LOCKED
+), failed AS (
+    UPDATE task_instance ti SET state = 'scheduled', next_method = '__fail__',
+        next_kwargs = jsonb_build_object('error', 'Trigger timeout',
+                                         'message', 'deferral timed out with no trigger running'),
+        trigger_id = NULL, trigger_timeout = NULL, updated_at = clock_timestamp()
+    FROM due WHERE ti.id = due.id
+    RETURNING due.trigger_id
+)
+DELETE FROM trigger WHERE id IN (SELECT trigger_id FROM failed) RETURNING id
+"""
+
+QUEUE_CONSUMERS = """
+SELECT q, count(c.id) AS consumers
+FROM unnest($1::text[]) AS q
+LEFT JOIN consumer c ON c.kind = 'consumer' AND c.expires_at > now() AND q = ANY(c.queues)
+GROUP BY q
+"""
+
+# ----------------------------------------------------------------------------- admin
+
+STATUS_CONSUMERS = """
+SELECT id, kind, host, pid, queues, capacity, running, version, started_at, renewed_at,
+       expires_at, expires_at > now() AS alive, cardinality(probation) AS on_probation
+FROM consumer ORDER BY kind, id
+"""
+
+STATUS_QUEUES = """
+SELECT queue,
+       count(*) AS triggers,
+       count(*) FILTER (WHERE owner_id IS NOT NULL) AS owned,
+       count(*) FILTER (WHERE owner_id IS NULL AND quarantined_at IS NULL) AS unclaimed,
+       count(*) FILTER (WHERE quarantined_at IS NOT NULL) AS quarantined,
+       count(*) FILTER (WHERE owner_id IS NOT NULL AND NOT EXISTS (
+           SELECT 1 FROM consumer c WHERE c.id = owner_id AND c.expires_at > now())) AS dead_owner
+FROM trigger GROUP BY queue ORDER BY queue
+"""
+
+STATUS_OVERDUE = """
+SELECT count(*) FROM task_instance
+WHERE state = 'deferred' AND trigger_timeout < now() - interval '10 seconds'
+"""
+
+QUARANTINED = """
+SELECT id, queue, classpath, failures, quarantined_at, last_error FROM trigger
+WHERE quarantined_at IS NOT NULL ORDER BY id
+"""
+
+SHOW_TRIGGER = """
+SELECT t.id, t.classpath, t.queue, t.created_at, t.dispatched_at, t.owner_id, t.claimed_at,
+       t.attempt, t.failures, t.rejected_by, t.quarantined_at, t.last_error, t.timeout_at,
+       c.host AS owner_host, c.expires_at > now() AS owner_alive,
+       ti.dag_id, ti.task_id, ti.run_id, ti.map_index, ti.state AS task_state
+FROM trigger t
+LEFT JOIN consumer c ON c.id = t.owner_id
+LEFT JOIN task_instance ti ON ti.trigger_id = t.id
+WHERE t.id = $1
+"""
+
+# Cancel: the task leaves 'deferred' now; the trigger row goes at once when nobody runs it,
+# else its owner cancels it (control message, or its sweep) and deletes it.
+CANCEL = """
+WITH target AS (
+    SELECT ti.id, ti.trigger_id FROM task_instance ti
+    WHERE ti.trigger_id = ANY($1::bigint[]) AND ti.state = 'deferred'
+    FOR UPDATE
+), moved AS (
+    UPDATE task_instance ti SET state = $2, trigger_id = NULL, trigger_timeout = NULL,
+           next_method = NULL, updated_at = clock_timestamp(),
+           end_date = CASE WHEN $2 IN ('success', 'failed', 'skipped', 'removed')
+                           THEN clock_timestamp() END
+    FROM target WHERE ti.id = target.id
+    RETURNING target.trigger_id
+), orphan AS (
+    DELETE FROM trigger t
+    WHERE t.id = ANY($1::bigint[]) AND (t.owner_id IS NULL OR NOT EXISTS (
+        SELECT 1 FROM consumer c WHERE c.id = t.owner_id AND c.expires_at > now()))
+    RETURNING t.id
+)
+SELECT t.id, t.owner_id, t.id IN (SELECT trigger_id FROM moved) AS moved
+FROM trigger t WHERE t.id = ANY($1::bigint[]) AND t.id NOT IN (SELECT id FROM orphan)
+UNION ALL
+SELECT id, NULL, true FROM orphan
+"""
+
+REQUEUE = """
+UPDATE trigger SET owner_id = NULL, dispatched_at = now(), rejected_by = '{}'
+WHERE id = ANY($1::bigint[]) AND quarantined_at IS NULL
+RETURNING id, queue
+"""
+
+# Undo a quarantine: the task it failed (still linked by trigger_id) is deferred again with
+# its original continuation, and the trigger is re-sent.
+UNQUARANTINE = """
+WITH freed AS (
+    UPDATE trigger SET quarantined_at = NULL, failures = 0, rejected_by = '{}', owner_id = NULL,
+           dispatched_at = now(), last_error = NULL
+    WHERE id = ANY($1::bigint[]) AND quarantined_at IS NOT NULL
+    RETURNING id, queue
+), redeferred AS (
+    UPDATE task_instance ti SET state = 'deferred', end_date = NULL,
+           next_method = ti.next_kwargs->>'deferred_next_method',
+           next_kwargs = ti.next_kwargs->'deferred_next_kwargs', updated_at = clock_timestamp()
+    FROM freed f WHERE ti.trigger_id = f.id AND ti.next_kwargs ? 'deferred_next_method'
+)
+SELECT id, queue FROM freed
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class RenewResult:
+    dead_peers: int
+    live_peers: int
+    peers_running: int
+
+
+class Database:
+    """The statements above, bound to a pool. One instance per process."""
+
+    def __init__(self, pool: asyncpg.Pool) -> None:
+        self.pool = pool
+
+    @classmethod
+    async def connect(cls, dsn: str, *, max_size: int = 4, pgbouncer: bool = False) -> Database:
+        return cls(await create_pool(dsn, max_size=max_size, pgbouncer=pgbouncer))
+
+    async def close(self) -> None:
+        await asyncio.wait_for(self.pool.close(), timeout=10)
+
+    async def fetch(self, sql: str, *args: Any) -> list[Record]:
+        async with self.pool.acquire() as conn:
+            rows: list[Record] = await conn.fetch(sql, *args)
+            return rows
+
+    async def fetchrow(self, sql: str, *args: Any) -> Record | None:
+        async with self.pool.acquire() as conn:
+            return await conn.fetchrow(sql, *args)  # type: ignore[no-any-return]
+
+    async def fetchval(self, sql: str, *args: Any) -> Any:
+        async with self.pool.acquire() as conn:
+            return await conn.fetchval(sql, *args)
+
+    async def execute(self, sql: str, *args: Any) -> str:
+        async with self.pool.acquire() as conn:
+            return await conn.execute(sql, *args)  # type: ignore[no-any-return]
+
+    # -- lease ---------------------------------------------------------------------------
+
+    async def register(
+        self, kind: str, host: str, pid: int, queues: list[str], capacity: int, version: str,
+        ttl: float,
+    ) -> int:
+        return int(await self.fetchval(REGISTER, kind, host, pid, queues, capacity, version, ttl))
+
+    async def renew(
+        self, me: int, ttl: float, running: int, queues: list[str]
+    ) -> RenewResult | None:
+        """Extend my lease; None when it had already expired (I am fenced)."""
+        row = await self.fetchrow(RENEW, me, ttl, running, queues)
+        if row is None:
+            return None
+        return RenewResult(row["dead_peers"], row["live_peers"], row["peers_running"])
+
+    async def unregister(self, me: int) -> None:
+        await self.execute(UNREGISTER, me)
+
+# ----------------------------------------------------------------------------- host side
+
+# The reference resumer takes scheduled task instances, as a scheduler would hand them to
+# workers: SKIP LOCKED so several resumers can share the work.
+PICK_SCHEDULED = """
+UPDATE task_instance ti SET state = 'running', updated_at = clock_timestamp()
+WHERE ti.id IN (SELECT id FROM task_instance WHERE state = 'scheduled'
+                ORDER BY updated_at LIMIT $1 FOR UPDATE SKIP LOCKED)
+RETURNING ti.id, ti.dag_id, ti.task_id, ti.run_id, ti.map_index, ti.next_method,
+          ti.next_kwargs::text AS next_kwargs
+"""
+
+FINISH_TASKS = """
+UPDATE task_instance ti SET state = f.state, result = f.result::jsonb,
+       end_date = clock_timestamp(), updated_at = clock_timestamp()
+FROM unnest($1::bigint[], $2::text[], $3::text[]) AS f(id, state, result)
+WHERE ti.id = f.id AND ti.state = 'running'
+"""

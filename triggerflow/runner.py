@@ -1,0 +1,208 @@
+"""Runs triggers on one event loop: timers on a heap, everything else as a task.
+
+No I/O here: the runner calls ``emit`` with each outcome and the consumer decides what to
+publish. A ``TimerTrigger`` (that keeps the default ``cleanup``) costs one slotted object and
+one heap entry — no coroutine, no task — which is what lets one process hold 100k waits.
+Coroutine triggers get a task each; their timeouts share the same heap.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import logging
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+from triggerflow.model import EventKind, FailureReason
+from triggerflow.triggers.base import BaseTrigger, TimerTrigger, TriggerEvent
+
+log = logging.getLogger(__name__)
+
+
+class Held:
+    """One trigger this process runs. Slotted: 100k of these must stay small."""
+
+    __slots__ = (
+        "attempt", "classpath", "deadline", "id", "queue", "task", "task_key", "timeout_at",
+        "timer_cls", "traceparent", "trigger",
+    )
+
+    def __init__(
+        self, id: int, attempt: int, queue: str, classpath: str, task_key: str | None,
+        timeout_at: float | None, traceparent: str | None,
+    ) -> None:
+        self.id = id
+        self.attempt = attempt
+        self.queue = queue
+        self.classpath = classpath
+        self.task_key = task_key
+        self.timeout_at = timeout_at
+        self.traceparent = traceparent
+        self.deadline: float | None = None  # set for heap-only timers
+        self.timer_cls: type[TimerTrigger] | None = None
+        self.trigger: BaseTrigger | None = None  # kept only for coroutine triggers
+        self.task: asyncio.Task[None] | None = None
+
+    def log_context(self) -> dict[str, Any]:
+        return {"trigger_id": self.id, "task": self.task_key, "queue": self.queue,
+                "attempt": self.attempt}
+
+
+Outcome = tuple[EventKind, Any]
+EmitFn = Callable[[Held, EventKind, Any], None]
+
+
+def failure(reason: FailureReason, message: str, tb: str | None = None) -> dict[str, Any]:
+    """The ``next_kwargs`` of a ``__fail__`` resume, as Airflow builds it."""
+    payload: dict[str, Any] = {"error": str(reason), "message": message}
+    if tb:
+        payload["traceback"] = tb.splitlines()
+    return payload
+
+
+def _is_heap_timer(trigger: BaseTrigger) -> bool:
+    cls = type(trigger)
+    return isinstance(trigger, TimerTrigger) and cls.cleanup is BaseTrigger.cleanup
+
+
+class TriggerRunner:
+    """Starts, times out, cancels and finishes triggers; reports outcomes through ``emit``."""
+
+    def __init__(self, emit: EmitFn) -> None:
+        self._emit = emit
+        self.running: dict[int, Held] = {}
+        self._heap: list[tuple[float, int, int]] = []  # (when, trigger id, attempt)
+        self._wakeup: asyncio.TimerHandle | None = None
+        self._wakeup_at = float("inf")
+        self._cleanups: set[asyncio.Task[None]] = set()
+
+    def __len__(self) -> int:
+        return len(self.running)
+
+    # -- starting ------------------------------------------------------------------------
+
+    def start(self, held: Held, trigger: BaseTrigger) -> None:
+        trigger.trigger_id = held.id
+        trigger.task_key = held.task_key
+        self.running[held.id] = held
+        if _is_heap_timer(trigger):
+            assert isinstance(trigger, TimerTrigger)
+            held.deadline = trigger.deadline()
+            held.timer_cls = type(trigger)
+            when = held.deadline if held.timeout_at is None else min(held.deadline, held.timeout_at)
+        else:
+            held.trigger = trigger
+            held.task = asyncio.get_running_loop().create_task(
+                self._run(held, trigger), name=f"trigger-{held.id}"
+            )
+            if held.timeout_at is None:
+                return
+            when = held.timeout_at
+        self._push(when, held)
+
+    def _push(self, when: float, held: Held) -> None:
+        heapq.heappush(self._heap, (when, held.id, held.attempt))
+        if when < self._wakeup_at:
+            self._arm()
+
+    def _arm(self) -> None:
+        if self._wakeup is not None:
+            self._wakeup.cancel()
+            self._wakeup = None
+        if not self._heap:
+            self._wakeup_at = float("inf")
+            return
+        self._wakeup_at = self._heap[0][0]
+        delay = max(0.0, self._wakeup_at - time.time())
+        self._wakeup = asyncio.get_running_loop().call_later(delay, self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._wakeup = None
+        now = time.time()
+        heap = self._heap
+        while heap and heap[0][0] <= now:
+            _, trigger_id, attempt = heapq.heappop(heap)
+            held = self.running.get(trigger_id)
+            if held is None or held.attempt != attempt:
+                continue  # finished or cancelled already (lazy deletion)
+            if held.deadline is not None and held.deadline <= now:
+                del self.running[trigger_id]
+                assert held.timer_cls is not None
+                self._emit(held, EventKind.RESUME, held.timer_cls.timer_payload(held.deadline))
+            elif held.timeout_at is not None and held.timeout_at <= now:
+                self._time_out(held)
+        self._arm()
+
+    def _time_out(self, held: Held) -> None:
+        del self.running[held.id]
+        if held.task is not None:
+            held.task.cancel()
+        self._emit(held, EventKind.FAIL, failure(
+            FailureReason.TRIGGER_TIMEOUT, f"trigger {held.classpath} timed out"))
+
+    # -- coroutine triggers ----------------------------------------------------------------
+
+    async def _run(self, held: Held, trigger: BaseTrigger) -> None:
+        agen = trigger.run()
+        try:
+            event: TriggerEvent = await anext(agen)
+        except StopAsyncIteration:
+            self._finish(held, EventKind.FAIL, failure(
+                FailureReason.TRIGGER_FAILURE,
+                f"trigger {held.classpath} exited without sending an event"))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.warning("trigger %s raised %r", held.classpath, exc, extra=held.log_context())
+            self._finish(held, EventKind.FAIL, failure(
+                FailureReason.TRIGGER_FAILURE, f"trigger {held.classpath} raised {exc!r}",
+                traceback.format_exc()))
+        else:
+            kind = getattr(event, "kind", EventKind.RESUME)
+            self._finish(held, kind, event.payload)
+        finally:
+            await self._close(held, trigger, agen)
+
+    async def _close(self, held: Held, trigger: BaseTrigger, agen: Any) -> None:
+        try:
+            await agen.aclose()
+        except BaseException:  # noqa: BLE001 - a broken generator must not hide cleanup
+            log.debug("aclose failed", exc_info=True, extra=held.log_context())
+        try:
+            await trigger.cleanup()
+        except Exception:
+            log.warning("cleanup of %s failed", held.classpath, exc_info=True,
+                        extra=held.log_context())
+
+    def _finish(self, held: Held, kind: EventKind, payload: Any) -> None:
+        if self.running.get(held.id) is held:
+            del self.running[held.id]
+            self._emit(held, kind, payload)
+
+    # -- stopping ------------------------------------------------------------------------
+
+    def cancel(self, ids: list[int] | None = None) -> list[Held]:
+        """Stop triggers without an event (their ``cleanup()`` still runs)."""
+        targets = list(self.running) if ids is None else [i for i in ids if i in self.running]
+        stopped = []
+        for trigger_id in targets:
+            held = self.running.pop(trigger_id)
+            if held.task is not None and not held.task.done():
+                held.task.cancel()
+                self._cleanups.add(held.task)
+                held.task.add_done_callback(self._cleanups.discard)
+            stopped.append(held)
+        if ids is None:
+            self._heap.clear()
+            self._arm()
+        return stopped
+
+    async def wait_cleanups(self, timeout: float = 10.0) -> None:
+        if self._cleanups:
+            await asyncio.wait(list(self._cleanups), timeout=timeout)
+
+    def current_task_count(self) -> int:
+        return sum(1 for h in self.running.values() if h.task is not None)

@@ -1,0 +1,119 @@
+"""One typed settings object. Every field is a CLI flag and a ``TRIGGERFLOW_*`` env var."""
+
+from __future__ import annotations
+
+import json
+
+from pydantic import Field, SecretStr, field_validator
+from typing import Annotated
+
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    """Configuration for every triggerflow process (SDK, consumer, writer, admin commands)."""
+
+    model_config = SettingsConfigDict(env_prefix="TRIGGERFLOW_", extra="ignore")
+
+    # -- connections --------------------------------------------------------------------
+    amqp_url: SecretStr = Field(
+        SecretStr("amqp://guest:guest@127.0.0.1:5672/"),
+        description="RabbitMQ URL. The heartbeat below is added unless the URL sets one.",
+    )
+    database_url: SecretStr = Field(
+        SecretStr("postgresql://127.0.0.1:5432/triggerflow"), description="PostgreSQL URL."
+    )
+    heartbeat: int = Field(10, ge=1, description="AMQP heartbeat in seconds (the client's is 60).")
+    db_pool_size: int = Field(4, ge=1, description="Max PostgreSQL connections per process.")
+    pgbouncer: bool = Field(
+        False, description="Behind PgBouncer in transaction mode: no prepared-statement cache."
+    )
+    namespace: str = Field("triggerflow", description="Prefix of every exchange and shared queue.")
+
+    # -- consumer -----------------------------------------------------------------------
+    queues: Annotated[list[str], NoDecode] = Field(default_factory=list, description="Team queues to consume / scope.")
+    capacity: int = Field(200_000, ge=1, description="Max triggers one consumer runs at once.")
+    allowed_modules: Annotated[list[str], NoDecode] = Field(
+        default_factory=lambda: ["triggerflow.triggers"],
+        description="Module prefixes trigger classes may come from (checked before import).",
+    )
+    lease_ttl: float = Field(3.0, gt=0, description="Seconds a consumer's lease lives unrenewed.")
+    renew_interval: float = Field(1.0, gt=0, description="Seconds between lease renewals.")
+    claim_batch: int = Field(2000, ge=1, description="Max trigger ids claimed per statement.")
+    prefetch: int = Field(64, ge=1, description="Unacked wake-up messages per consumer.")
+    reclaim_rate: int = Field(
+        20_000, ge=1, description="Max triggers a reaper re-sends per second (reclaim storms)."
+    )
+    probation_size: int = Field(
+        256, ge=1, description="Largest group of suspect triggers started together on probation."
+    )
+    probation_seconds: float = Field(
+        1.0, gt=0, description="How long a suspect group must run before it is cleared."
+    )
+    max_failures: int = Field(
+        10, ge=1, description="Ungraceful losses after which a trigger is quarantined."
+    )
+    blocked_threshold: float = Field(
+        0.2, gt=0, description="Seconds the loop may stay busy before the culprit is named."
+    )
+    subscription_check_interval: float = Field(
+        3.0, gt=0, description="Seconds between checks that the broker still delivers to us."
+    )
+
+    # -- events -------------------------------------------------------------------------
+    event_batch: int = Field(500, ge=1, description="Max events per published message.")
+    event_linger: float = Field(
+        0.002, ge=0, description="Seconds a fired event waits for others to share its message."
+    )
+    max_event_bytes: int = Field(65_536, ge=256, description="Largest event payload accepted.")
+    max_kwargs_bytes: int = Field(65_536, ge=256, description="Largest trigger kwargs accepted.")
+
+    # -- writer -------------------------------------------------------------------------
+    writer_batch: int = Field(5000, ge=1, description="Max events applied per transaction.")
+    writer_prefetch: int = Field(400, ge=1, description="Unacked event messages per writer.")
+    team_users: dict[str, str] = Field(
+        default_factory=dict,
+        description='Queue -> AMQP user that alone may publish its events, e.g. {"team-ml": "team-ml"}.',
+    )
+
+    # -- reaper -------------------------------------------------------------------------
+    reaper_interval: float = Field(10.0, gt=0, description="Seconds between reaper sweeps.")
+    cancel_sweep_interval: float = Field(
+        5.0, gt=0, description="Seconds between sweeps for held triggers whose task moved on."
+    )
+    unclaimed_grace: float = Field(
+        15.0, gt=0, description="Seconds an unclaimed trigger waits before it is re-sent."
+    )
+    max_deferral: float = Field(
+        7 * 86400.0, gt=0, description="Longest any task may stay deferred (seconds)."
+    )
+
+    # -- security -----------------------------------------------------------------------
+    kwargs_key: SecretStr | None = Field(
+        None, description="Fernet key: encrypt trigger kwargs at rest when set."
+    )
+
+    # -- telemetry ----------------------------------------------------------------------
+    metrics_port: int = Field(0, ge=0, description="Prometheus endpoint port (0: off).")
+    otlp_endpoint: str | None = Field(None, description="OTLP/HTTP endpoint for traces+metrics.")
+    trace_file: str | None = Field(None, description="Append finished spans as JSON lines here.")
+    log_level: str = Field("INFO", description="Log level.")
+    log_format: str = Field("text", description="'text' or 'json'.")
+
+    @field_validator("queues", "allowed_modules", mode="before")
+    @classmethod
+    def _split_commas(cls, value: object) -> object:
+        if isinstance(value, str):
+            if value.lstrip().startswith("["):
+                return json.loads(value)
+            return [part.strip() for part in value.split(",") if part.strip()]
+        return value
+
+    def amqp_dsn(self) -> str:
+        url = self.amqp_url.get_secret_value()
+        if "heartbeat=" in url:
+            return url
+        return f"{url}{'&' if '?' in url else '?'}heartbeat={self.heartbeat}"
+
+    def database_dsn(self) -> str:
+        return self.database_url.get_secret_value()

@@ -1,0 +1,249 @@
+"""Every metric, span and log-context name, defined once.
+
+Metrics are OpenTelemetry instruments, exposed on a Prometheus endpoint (``metrics_port``)
+and optionally over OTLP. Names follow Airflow's triggerer where the meaning is the same
+(``triggers.running``, ``triggers.blocked_main_thread``, ``capacity_left``...) under a
+``triggerflow.`` prefix. Traces carry W3C ``traceparent`` through AMQP headers and the
+trigger row; a waiting trigger holds only that string, never an open span.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from opentelemetry import metrics, trace
+from opentelemetry.context import Context
+from opentelemetry.metrics import CallbackOptions, Observation
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+log = logging.getLogger(__name__)
+
+_propagator = TraceContextTextMapPropagator()
+tracer = trace.get_tracer("triggerflow")
+meter = metrics.get_meter("triggerflow")
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+
+
+class Metrics:
+    """The instruments. Gauges are observed from callbacks registered by the component."""
+
+    def __init__(self) -> None:
+        m = meter
+        self.claimed = m.create_counter("triggerflow.triggers.claimed", description="Triggers claimed")
+        self.started = m.create_counter("triggerflow.triggers.started", description="Triggers started")
+        self.emitted = m.create_counter(
+            "triggerflow.events.emitted", description="Events published by kind"
+        )
+        self.succeeded = m.create_counter(
+            "triggerflow.triggers.succeeded", description="Triggers that fired an event"
+        )
+        self.failed = m.create_counter(
+            "triggerflow.triggers.failed", description="Trigger failures by reason"
+        )
+        self.cancelled = m.create_counter(
+            "triggerflow.triggers.cancelled", description="Triggers cancelled on this consumer"
+        )
+        self.released = m.create_counter(
+            "triggerflow.triggers.released", description="Triggers handed back to the queue"
+        )
+        self.blocked = m.create_counter(
+            "triggerflow.triggers.blocked_main_thread",
+            description="Times a trigger kept the event loop busy past the threshold",
+        )
+        self.loop_lag = m.create_histogram(
+            "triggerflow.loop.lag", unit="s", description="Event-loop lag",
+            explicit_bucket_boundaries_advisory=_LATENCY_BUCKETS,
+        )
+        self.latency = m.create_histogram(
+            "triggerflow.event.latency", unit="s",
+            description="Trigger fire -> task instance updated",
+            explicit_bucket_boundaries_advisory=_LATENCY_BUCKETS,
+        )
+        self.applied = m.create_counter(
+            "triggerflow.writer.events_applied", description="Events that moved a task, by kind"
+        )
+        self.ignored = m.create_counter(
+            "triggerflow.writer.events_ignored",
+            description="Duplicate, stale or cancelled events that changed nothing",
+        )
+        self.batch_size = m.create_histogram(
+            "triggerflow.writer.batch_size", description="Events per writer transaction",
+            explicit_bucket_boundaries_advisory=(1, 10, 50, 100, 500, 1000, 2000, 5000),
+        )
+        self.commit_time = m.create_histogram(
+            "triggerflow.writer.commit_time", unit="s", description="Writer batch apply time",
+            explicit_bucket_boundaries_advisory=_LATENCY_BUCKETS,
+        )
+        self.renewals = m.create_counter("triggerflow.lease.renewals", description="Lease renewals")
+        self.leases_lost = m.create_counter(
+            "triggerflow.lease.lost", description="Leases lost (fenced)"
+        )
+        self.dead_lettered = m.create_counter(
+            "triggerflow.messages.dead_lettered", description="Messages dead-lettered by reason"
+        )
+        self.resent = m.create_counter(
+            "triggerflow.reaper.resent", description="Triggers re-sent by the reaper by cause"
+        )
+        self.quarantined = m.create_counter(
+            "triggerflow.reaper.quarantined", description="Triggers quarantined"
+        )
+        self.timed_out = m.create_counter(
+            "triggerflow.reaper.timed_out", description="Deferred tasks timed out by the reaper"
+        )
+        self.unconsumed = m.create_counter(
+            "triggerflow.queues.unconsumed",
+            description="Reaper sweeps that found a queue with no live consumer",
+        )
+
+    def gauge(
+        self, name: str, description: str, observe: Callable[[], Iterable[tuple[float, dict[str, Any]]]]
+    ) -> None:
+        def callback(_options: CallbackOptions) -> Iterable[Observation]:
+            try:
+                return [Observation(value, attrs) for value, attrs in observe()]
+            except Exception:  # a gauge must never break a scrape
+                log.exception("gauge %s failed", name)
+                return []
+
+        meter.create_observable_gauge(name, callbacks=[callback], description=description)
+
+
+_metrics: Metrics | None = None
+
+
+def get_metrics() -> Metrics:
+    global _metrics
+    if _metrics is None:
+        _metrics = Metrics()
+    return _metrics
+
+
+# ----------------------------------------------------------------------------- setup
+
+_setup_lock = threading.Lock()
+_configured = False
+
+
+def setup(
+    *, service: str, metrics_port: int = 0, otlp_endpoint: str | None = None,
+    trace_file: str | None = None,
+) -> None:
+    """Install meter and tracer providers once per process (idempotent)."""
+    global _configured, _metrics
+    with _setup_lock:
+        if _configured:
+            return
+        _configured = True
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import MetricReader
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    resource = Resource.create({"service.name": service})
+    readers: list[MetricReader] = []
+    if metrics_port:
+        from opentelemetry.exporter.prometheus import PrometheusMetricReader
+        from prometheus_client import start_http_server
+
+        start_http_server(metrics_port)
+        readers.append(PrometheusMetricReader())
+    if otlp_endpoint:
+        readers.append(_otlp_metric_reader(otlp_endpoint))
+    if readers:
+        metrics.set_meter_provider(MeterProvider(resource=resource, metric_readers=readers))
+        _metrics = None  # instruments must be created on the real provider
+    if trace_file or otlp_endpoint:
+        provider = TracerProvider(resource=resource)
+        if trace_file:
+            provider.add_span_processor(BatchSpanProcessor(JsonLinesSpanExporter(trace_file)))
+        if otlp_endpoint:
+            provider.add_span_processor(BatchSpanProcessor(_otlp_span_exporter(otlp_endpoint)))
+        trace.set_tracer_provider(provider)
+    global tracer, meter
+    tracer = trace.get_tracer("triggerflow")
+    meter = metrics.get_meter("triggerflow")
+
+
+def _otlp_metric_reader(endpoint: str) -> Any:
+    try:
+        from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
+        from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+    except ImportError as exc:
+        raise RuntimeError(
+            "otlp_endpoint needs opentelemetry-exporter-otlp-proto-http installed"
+        ) from exc
+    return PeriodicExportingMetricReader(OTLPMetricExporter(endpoint=f"{endpoint}/v1/metrics"))
+
+
+def _otlp_span_exporter(endpoint: str) -> Any:
+    try:
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    except ImportError as exc:
+        raise RuntimeError(
+            "otlp_endpoint needs opentelemetry-exporter-otlp-proto-http installed"
+        ) from exc
+    return OTLPSpanExporter(endpoint=f"{endpoint}/v1/traces")
+
+
+def shutdown() -> None:
+    provider = trace.get_tracer_provider()
+    if hasattr(provider, "shutdown"):
+        provider.shutdown()
+    mprovider = metrics.get_meter_provider()
+    if hasattr(mprovider, "shutdown"):
+        mprovider.shutdown()
+
+
+def tracing_enabled() -> bool:
+    return type(trace.get_tracer_provider()).__name__ == "TracerProvider"
+
+
+def current_traceparent() -> str | None:
+    carrier: dict[str, str] = {}
+    _propagator.inject(carrier)
+    return carrier.get("traceparent")
+
+
+def context_from(traceparent: str | None) -> Context | None:
+    if not traceparent:
+        return None
+    return _propagator.extract({"traceparent": traceparent})
+
+
+class JsonLinesSpanExporter:
+    """Appends finished spans to a file, one JSON object a line (no collector needed)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._lock = threading.Lock()
+
+    def export(self, spans: Sequence[Any]) -> Any:
+        from opentelemetry.sdk.trace.export import SpanExportResult
+
+        lines = []
+        for span in spans:
+            ctx = span.get_span_context()
+            lines.append(json.dumps({
+                "name": span.name,
+                "trace_id": f"{ctx.trace_id:032x}",
+                "span_id": f"{ctx.span_id:016x}",
+                "parent_id": f"{span.parent.span_id:016x}" if span.parent else None,
+                "start": span.start_time, "end": span.end_time,
+                "attributes": dict(span.attributes or {}),
+                "service": span.resource.attributes.get("service.name"),
+            }))
+        with self._lock, open(self.path, "a") as fh:
+            fh.write("\n".join(lines) + "\n")
+        return SpanExportResult.SUCCESS
+
+    def shutdown(self) -> None:
+        pass
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return True

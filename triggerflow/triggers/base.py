@@ -1,0 +1,109 @@
+"""The trigger API, shaped like Airflow's so a trigger ports by changing its import.
+
+A trigger is serialized to ``(classpath, kwargs)``, stored in PostgreSQL, rebuilt by a
+consumer with ``cls(**kwargs)``, and run as an async generator whose first event ends it.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+from collections.abc import AsyncIterator
+from typing import Any, ClassVar
+
+from triggerflow.model import EventKind
+
+
+class TriggerEvent:
+    """Resumes the task: ``next_kwargs["event"] = payload``, state ``scheduled``."""
+
+    kind: ClassVar[EventKind] = EventKind.RESUME
+
+    def __init__(self, payload: Any = None) -> None:
+        self.payload = payload
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}<{self.payload!r}>"
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and other.payload == self.payload  # type: ignore[attr-defined]
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+class BaseTaskEndEvent(TriggerEvent):
+    """Ends the task without a worker; ``xcoms`` is stored as the task's result."""
+
+    def __init__(self, *, xcoms: dict[str, Any] | None = None) -> None:
+        super().__init__(xcoms)
+        self.xcoms = xcoms
+
+
+class TaskSuccessEvent(BaseTaskEndEvent):
+    kind = EventKind.SUCCESS
+
+
+class TaskFailedEvent(BaseTaskEndEvent):
+    kind = EventKind.FAILED
+
+
+class TaskSkippedEvent(BaseTaskEndEvent):
+    kind = EventKind.SKIPPED
+
+
+class BaseTrigger(abc.ABC):
+    """Base of every trigger.
+
+    Subclasses implement ``serialize()`` and ``async run()``; ``cleanup()`` runs whenever the
+    trigger ends, is cancelled, times out or is handed to another consumer. The consumer sets
+    ``trigger_id`` and ``task_key`` before ``run()`` so log lines and the blocked-loop
+    watchdog can name the trigger.
+    """
+
+    trigger_id: int | None = None
+    task_key: str | None = None
+
+    def __init__(self, **kwargs: Any) -> None:
+        pass
+
+    @property
+    def log(self) -> logging.LoggerAdapter[logging.Logger]:
+        """A logger whose lines carry this trigger's id, task and class."""
+        return logging.LoggerAdapter(
+            logging.getLogger(f"{type(self).__module__}.{type(self).__qualname__}"),
+            {"trigger_id": self.trigger_id, "task": self.task_key},
+        )
+
+    @abc.abstractmethod
+    def serialize(self) -> tuple[str, dict[str, Any]]:
+        """Return ``(classpath, kwargs)``; ``cls(**kwargs)`` must rebuild the trigger."""
+
+    @abc.abstractmethod
+    def run(self) -> AsyncIterator[TriggerEvent]:
+        """Yield events; the first one fires the trigger. Never block the event loop."""
+
+    async def cleanup(self) -> None:  # noqa: B027 - optional hook, empty by design
+        """Release what ``run()`` acquired. Called on fire, cancel, timeout and hand-over."""
+
+    def __repr__(self) -> str:
+        classpath, kwargs = self.serialize()
+        return f"<{classpath} {kwargs!r}>"
+
+
+class TimerTrigger(BaseTrigger):
+    """A trigger that only waits for a moment.
+
+    The consumer keeps such triggers on one timer heap instead of a coroutine each (a few
+    hundred bytes per waiting trigger instead of a few KB), and never calls ``run()``; the
+    event it emits is ``TriggerEvent(timer_payload(deadline))``.
+    """
+
+    @abc.abstractmethod
+    def deadline(self) -> float:
+        """POSIX timestamp at which the trigger fires."""
+
+    @staticmethod
+    def timer_payload(deadline: float) -> Any:
+        from datetime import UTC, datetime
+
+        return datetime.fromtimestamp(deadline, UTC)

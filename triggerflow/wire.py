@@ -1,0 +1,136 @@
+"""Bytes <-> messages. msgspec structs; imports nothing else of ours.
+
+Wake-ups carry trigger ids only: classpath and kwargs are read from PostgreSQL, never from
+the broker. Events carry (trigger id, attempt) so the writer can fence stale attempts.
+A reader accepts the current schema version and the one before it (rolling upgrades).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+SCHEMA_VERSION = 2
+ACCEPTED_VERSIONS = frozenset({SCHEMA_VERSION, SCHEMA_VERSION - 1})
+
+HEADER_TRACEPARENT = "traceparent"
+HEADER_REASON = "x-triggerflow-reason"
+CONTENT_TYPE = "application/json"
+
+
+class WireError(ValueError):
+    """A message that cannot be decoded; the caller dead-letters it with this reason."""
+
+
+class Wakeup(msgspec.Struct, forbid_unknown_fields=False):
+    """Deferral wake-up: "these triggers of your queue want running". v1 had one ``id``."""
+
+    v: int
+    ids: list[int] = []
+    id: int | None = None
+
+
+class Event(msgspec.Struct, array_like=True):
+    """One fired trigger. ``payload`` is JSON text, validated by the consumer."""
+
+    trigger_id: int
+    attempt: int
+    queue: str
+    kind: str
+    payload: str
+    fired_at: float
+
+
+class EventBatch(msgspec.Struct):
+    v: int
+    events: list[Event]
+
+
+class Control(msgspec.Struct):
+    """Owner-addressed control message (``op`` = "cancel")."""
+
+    v: int
+    op: str
+    ids: list[int]
+
+
+_encoder = msgspec.json.Encoder()
+_wakeup_decoder = msgspec.json.Decoder(Wakeup)
+_batch_decoder = msgspec.json.Decoder(EventBatch)
+_control_decoder = msgspec.json.Decoder(Control)
+
+
+def _check_version(v: int) -> None:
+    if v not in ACCEPTED_VERSIONS:
+        raise WireError(f"unsupported schema version {v}; accepted {sorted(ACCEPTED_VERSIONS)}")
+
+
+def encode_wakeup(ids: list[int]) -> bytes:
+    return _encoder.encode(Wakeup(v=SCHEMA_VERSION, ids=ids))
+
+
+def decode_wakeup(body: bytes) -> list[int]:
+    try:
+        msg = _wakeup_decoder.decode(body)
+    except (msgspec.DecodeError, UnicodeDecodeError) as exc:
+        raise WireError(f"undecodable wake-up: {exc}") from None
+    _check_version(msg.v)
+    ids = list(msg.ids)
+    if msg.id is not None:
+        ids.append(msg.id)
+    if not ids:
+        raise WireError("wake-up names no trigger")
+    return ids
+
+
+def encode_events(events: list[Event]) -> bytes:
+    return _encoder.encode(EventBatch(v=SCHEMA_VERSION, events=events))
+
+
+def decode_events(body: bytes) -> list[Event]:
+    try:
+        msg = _batch_decoder.decode(body)
+    except (msgspec.DecodeError, UnicodeDecodeError) as exc:
+        raise WireError(f"undecodable event batch: {exc}") from None
+    _check_version(msg.v)
+    return msg.events
+
+
+def encode_control(op: str, ids: list[int]) -> bytes:
+    return _encoder.encode(Control(v=SCHEMA_VERSION, op=op, ids=ids))
+
+
+def decode_control(body: bytes) -> Control:
+    try:
+        msg = _control_decoder.decode(body)
+    except (msgspec.DecodeError, UnicodeDecodeError) as exc:
+        raise WireError(f"undecodable control message: {exc}") from None
+    _check_version(msg.v)
+    return msg
+
+
+def encode_json(value: Any) -> str:
+    """JSON text for payloads and kwargs (datetimes become ISO-8601 strings)."""
+    return _encoder.encode(value).decode()
+
+
+def decode_json(text: str | bytes) -> Any:
+    return msgspec.json.decode(text)
+
+
+class PayloadError(ValueError):
+    """An event payload the database would refuse; the event becomes a readable failure."""
+
+
+def validate_payload(value: Any, max_bytes: int) -> str:
+    """Encode an event payload, refusing what jsonb or the size cap would reject."""
+    try:
+        text = encode_json(value)
+    except (TypeError, msgspec.EncodeError, OverflowError) as exc:
+        raise PayloadError(f"event payload is not JSON-serializable: {exc}") from None
+    if len(text) > max_bytes:
+        raise PayloadError(f"event payload is {len(text)} bytes, over the {max_bytes} cap")
+    if "\\u0000" in text:
+        raise PayloadError("event payload contains a NUL character, which jsonb cannot store")
+    return text
