@@ -47,8 +47,10 @@ def settings_options(*names: str) -> Callable[[F], F]:
             kwargs: dict[str, Any] = {"help": info.description, "envvar": env,
                                       "show_envvar": True, "default": None}
             if "list" in annotation:
-                kwargs["multiple"] = True
-                kwargs["default"] = ()
+                # pydantic-settings reads the env var itself ("a,b" or JSON); click would
+                # split it on whitespace.
+                kwargs.update(multiple=True, default=(), envvar=None, show_envvar=False,
+                              help=f"{info.description} Repeatable.  [env var: {env}]")
             elif info.annotation is bool:
                 flag = f"{flag}/--no-{flag[2:]}"
             elif info.annotation is int:
@@ -66,9 +68,12 @@ def build_settings(values: dict[str, Any]) -> Settings:
     for key, value in values.items():
         if key not in Settings.model_fields or value is None or value == ():
             continue
-        if isinstance(value, tuple):  # repeatable flags; an env var may hold "a,b" too
-            value = [part for item in value for part in str(item).replace(" ", ",").split(",")
-                     if part]
+        if isinstance(value, tuple):  # repeatable flags; an env var may hold "a,b" or JSON
+            if len(value) == 1 and str(value[0]).lstrip().startswith("["):
+                value = json.loads(value[0])
+            else:
+                value = [part for item in value
+                         for part in str(item).replace(" ", ",").split(",") if part]
         elif key == "team_users" and isinstance(value, str):
             value = json.loads(value)
         given[key] = value

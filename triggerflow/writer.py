@@ -14,6 +14,7 @@ import logging
 import os
 import socket
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import asyncpg
@@ -28,6 +29,16 @@ from triggerflow.telemetry import context_from, get_metrics, tracer, tracing_ena
 from triggerflow.wire import Event, WireError, decode_events, encode_events
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class Delivery:
+    """One event message: its events, or why it is dead-lettered instead."""
+
+    message: AbstractIncomingMessage
+    events: list[Event]
+    reject: str | None = None
+    forged: list[Event] = field(default_factory=list)
 
 RETRYABLE = (asyncpg.DeadlockDetectedError, asyncpg.SerializationError)
 DB_DOWN = (OSError, asyncpg.InterfaceError, asyncpg.PostgresConnectionError,
@@ -52,17 +63,24 @@ class Writer:
         self.applied_total = 0
 
     async def run(self, stop: asyncio.Event) -> None:
-        self.me = await self.db.register(
-            "writer", socket.gethostname(), os.getpid(), [], 0, __version__,
-            max(self.settings.lease_ttl, 10.0),
-        )
+        while not self.me:
+            try:
+                await self._register()
+            except (OSError, asyncpg.PostgresError) as exc:
+                log.warning("cannot register (%r); retrying", exc)
+                await asyncio.sleep(1)
         loop = asyncio.get_running_loop()
         tasks = [
             loop.create_task(self._broker_loop(), name="broker"),
             loop.create_task(self._apply_loop(), name="apply"),
             loop.create_task(self._heartbeat_loop(), name="heartbeat"),
         ]
-        await stop.wait()
+        stopper = loop.create_task(stop.wait(), name="stop")
+        done, _ = await asyncio.wait([stopper, *tasks], return_when=asyncio.FIRST_COMPLETED)
+        for task in done:
+            if task is not stopper and task.exception() is not None:
+                log.error("task %s crashed; stopping", task.get_name(), exc_info=task.exception())
+        stopper.cancel()
         log.info("stopping writer")
         # Let the batch in hand commit; unacked deliveries return to the queue on close.
         with contextlib.suppress(TimeoutError):
@@ -73,6 +91,11 @@ class Writer:
         with contextlib.suppress(Exception):
             await self.db.unregister(self.me)
         await self.broker.close()
+
+    async def _register(self) -> None:
+        self.me = await self.db.register(
+            "writer", socket.gethostname(), os.getpid(), [], 0, __version__,
+            max(self.settings.lease_ttl, 10.0))
 
     async def _idle(self) -> None:
         while not self._inbox.empty() or self._busy:
@@ -120,9 +143,7 @@ class Writer:
             try:
                 renewed = await self.db.renew(self.me, max(self.settings.lease_ttl, 10.0), 0, [])
                 if renewed is None:
-                    self.me = await self.db.register(
-                        "writer", socket.gethostname(), os.getpid(), [], 0, __version__,
-                        max(self.settings.lease_ttl, 10.0))
+                    await self._register()
                 if loop.time() >= next_reap and self.broker.is_open:
                     next_reap = loop.time() + self.settings.reaper_interval
                     await self.reaper.time_out_orphans()
@@ -139,36 +160,32 @@ class Writer:
             first = await self._inbox.get()
             self._busy = True
             try:
-                messages = [first]
-                events = self._decode(first)
-                while not self._inbox.empty() and len(events) < self.settings.writer_batch:
-                    msg = self._inbox.get_nowait()
-                    messages.append(msg)
-                    events.extend(self._decode(msg))
-                await self._commit(messages, events)
+                batch = [self._decode(first)]
+                size = len(batch[0].events)
+                while not self._inbox.empty() and size < self.settings.writer_batch:
+                    batch.append(self._decode(self._inbox.get_nowait()))
+                    size += len(batch[-1].events)
+                await self._commit(batch)
             finally:
                 self._busy = False
 
-    def _decode(self, message: AbstractIncomingMessage) -> list[Event]:
+    def _decode(self, message: AbstractIncomingMessage) -> Delivery:
         try:
             events = decode_events(message.body)
         except WireError as exc:
-            message.__dict__["_tf_reject"] = str(exc)
-            return []
-        allowed = self.settings.team_users
-        if allowed:
-            kept = []
-            for ev in events:
-                owner = allowed.get(ev.queue)
-                if owner is not None and owner != message.user_id:
-                    message.__dict__.setdefault("_tf_forged", []).append(ev)
-                else:
-                    kept.append(ev)
-            return kept
-        return events
+            return Delivery(message, [], reject=str(exc))
+        owners = self.settings.team_users
+        if not owners:
+            return Delivery(message, events)
+        kept, forged = [], []
+        for ev in events:
+            owner = owners.get(ev.queue)
+            (forged if owner is not None and owner != message.user_id else kept).append(ev)
+        return Delivery(message, kept, forged=forged)
 
-    async def _commit(self, messages: list[AbstractIncomingMessage], events: list[Event]) -> None:
+    async def _commit(self, batch: list[Delivery]) -> None:
         """Apply, retrying while the database is down; ack only after the commit."""
+        events = [ev for d in batch for ev in d.events]
         started = time.perf_counter()
         backoff = 0.2
         while True:
@@ -181,18 +198,16 @@ class Writer:
                 backoff = min(backoff * 2, 5)
         self.metrics.commit_time.record(time.perf_counter() - started)
         self.metrics.batch_size.record(len(events))
-        for message in messages:
-            reason = message.__dict__.get("_tf_reject")
-            if reason:
-                await self._dead_letter(message.body, reason, message.routing_key or "")
-            for ev in message.__dict__.get("_tf_forged", []):
+        for d in batch:
+            if d.reject:
+                await self._dead_letter(d.message.body, d.reject, d.message.routing_key or "")
+            for ev in d.forged:
                 await self._dead_letter(
                     encode_events([ev]),
-                    f"forged: user {message.user_id!r} may not publish events of {ev.queue}",
+                    f"forged: user {d.message.user_id!r} may not publish events of {ev.queue}",
                     ev.queue)
-        if messages:
-            # One ack for the whole batch: everything up to the last tag is durable.
-            await messages[-1].ack(multiple=True)
+        # One ack for the whole batch: everything up to the last tag is durable.
+        await batch[-1].message.ack(multiple=True)
         self.applied_total += applied
 
     @staticmethod

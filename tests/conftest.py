@@ -1,0 +1,236 @@
+"""Fixtures against the real PostgreSQL and RabbitMQ: a database and a broker namespace per
+test (so tests never see each other's rows or queues), and real CLI processes."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import aio_pika
+import asyncpg
+import pytest
+
+from triggerflow.postgres import Database, upgrade_schema
+from triggerflow.rabbitmq import Broker, Topology
+from triggerflow.sdk import TriggerflowClient
+from triggerflow.settings import Settings
+
+ROOT = Path(__file__).resolve().parents[1]
+PG = os.environ.get("TRIGGERFLOW_TEST_PG", "postgresql://postgres@127.0.0.1:5432")
+AMQP = os.environ.get("TRIGGERFLOW_TEST_AMQP", "amqp://guest:guest@127.0.0.1:5672/")
+TEMPLATE = "triggerflow_test_template"
+
+
+@pytest.fixture(scope="session")
+def template_db() -> str:
+    async def recreate() -> None:
+        conn = await asyncpg.connect(f"{PG}/postgres")
+        try:
+            await conn.execute(f"DROP DATABASE IF EXISTS {TEMPLATE} WITH (FORCE)")
+            await conn.execute(f"CREATE DATABASE {TEMPLATE}")
+        finally:
+            await conn.close()
+
+    asyncio.run(recreate())
+    upgrade_schema(f"{PG}/{TEMPLATE}")
+    return TEMPLATE
+
+
+@pytest.fixture
+async def dsn(template_db: str) -> AsyncIterator[str]:
+    name = f"tf_{uuid.uuid4().hex[:12]}"
+    conn = await asyncpg.connect(f"{PG}/postgres")
+    try:
+        await conn.execute(f"CREATE DATABASE {name} TEMPLATE {template_db}")
+    finally:
+        await conn.close()
+    yield f"{PG}/{name}"
+    conn = await asyncpg.connect(f"{PG}/postgres")
+    try:
+        await conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+    finally:
+        await conn.close()
+
+
+@pytest.fixture
+def namespace() -> str:
+    return f"tft{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture
+def teams(namespace: str) -> list[str]:
+    return [f"{namespace}-ml", f"{namespace}-data-eng"]
+
+
+FAST = {
+    "lease_ttl": 2.0,
+    "renew_interval": 0.5,
+    "reaper_interval": 1.0,
+    "unclaimed_grace": 3.0,
+    "cancel_sweep_interval": 1.0,
+    "subscription_check_interval": 1.0,
+    "probation_seconds": 0.5,
+}
+
+
+@pytest.fixture
+def settings(dsn: str, namespace: str, teams: list[str]) -> Settings:
+    return Settings(
+        database_url=dsn,
+        amqp_url=AMQP,
+        namespace=namespace,
+        allowed_modules=["triggerflow.triggers", "triggerflow.examples", "tests.triggers"],
+        **FAST,  # type: ignore[arg-type]
+    )
+
+
+@pytest.fixture
+async def topology(settings: Settings, teams: list[str]) -> AsyncIterator[Topology]:
+    topo = Topology(settings.namespace)
+    broker = Broker(settings.amqp_dsn(), topo, name="test-topology")
+    await broker.connect()
+    await broker.declare(teams)
+    await broker.close()
+    yield topo
+    # Clean up everything this namespace declared.
+    conn = await aio_pika.connect(settings.amqp_dsn())
+    try:
+        for queue in [*teams, topo.events_queue, topo.dead_queue]:
+            ch = await conn.channel()
+            try:
+                await ch.queue_delete(queue)
+            except Exception:
+                pass
+            finally:
+                if not ch.is_closed:
+                    await ch.close()
+        for exchange in topo.exchanges():
+            ch = await conn.channel()
+            try:
+                await ch.exchange_delete(exchange)
+            except Exception:
+                pass
+            finally:
+                if not ch.is_closed:
+                    await ch.close()
+    finally:
+        await conn.close()
+
+
+@pytest.fixture
+async def db(dsn: str) -> AsyncIterator[Database]:
+    database = await Database.connect(dsn, max_size=4)
+    yield database
+    await database.close()
+
+
+@pytest.fixture
+async def client(settings: Settings, topology: Topology) -> AsyncIterator[TriggerflowClient]:
+    c = TriggerflowClient(settings)
+    yield c
+    await c.close()
+
+
+def settings_env(settings: Settings, **overrides: Any) -> dict[str, str]:
+    """The environment that gives a CLI subprocess exactly these settings."""
+    import json
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRIGGERFLOW_")}
+    values = settings.model_dump()
+    values.update(overrides)
+    for key, value in values.items():
+        if value is None:
+            continue
+        if hasattr(value, "get_secret_value"):
+            value = value.get_secret_value()
+        if isinstance(value, list | dict):
+            value = json.dumps(value)
+        env[f"TRIGGERFLOW_{key.upper()}"] = str(value)
+    env["PYTHONPATH"] = str(ROOT)
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+class Processes:
+    """Starts real ``triggerflow`` CLI processes; kills whatever is left at teardown."""
+
+    def __init__(self, settings: Settings, logdir: Path) -> None:
+        self.settings = settings
+        self.logdir = logdir
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self._n = 0
+
+    def start(self, *args: str, **overrides: Any) -> subprocess.Popen[bytes]:
+        self._n += 1
+        log = open(self.logdir / f"{self._n:02d}-{args[0]}.log", "wb")  # noqa: SIM115
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "triggerflow", *args],
+            env=settings_env(self.settings, **overrides), stdout=log, stderr=subprocess.STDOUT,
+            cwd=ROOT,
+        )
+        proc.log_path = log.name  # type: ignore[attr-defined]
+        self.procs.append(proc)
+        return proc
+
+    def consume(self, *queues: str, **overrides: Any) -> subprocess.Popen[bytes]:
+        args = ["consume"]
+        for q in queues:
+            args += ["--queue", q]
+        return self.start(*args, **overrides)
+
+    def writer(self, **overrides: Any) -> subprocess.Popen[bytes]:
+        return self.start("writer", **overrides)
+
+    @staticmethod
+    def log(proc: subprocess.Popen[bytes]) -> str:
+        return Path(proc.log_path).read_text(errors="replace")  # type: ignore[attr-defined]
+
+    def stop_all(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGCONT)
+                p.kill()
+        for p in self.procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+
+
+@pytest.fixture
+def procs(settings: Settings, topology: Topology, tmp_path: Path) -> Iterator[Processes]:
+    p = Processes(settings, tmp_path)
+    yield p
+    p.stop_all()
+    if os.environ.get("TRIGGERFLOW_TEST_SHOW_LOGS"):
+        for proc in p.procs:
+            sys.stderr.write(Processes.log(proc))
+
+
+async def wait_until(
+    check: Callable[[], Awaitable[Any]], timeout: float, interval: float = 0.1,
+    message: str = "condition",
+) -> Any:
+    """Poll ``check`` until it returns something truthy; fail the test after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = await check()
+        if last:
+            return last
+        await asyncio.sleep(interval)
+    raise AssertionError(f"{message} not reached within {timeout}s (last: {last!r})")
+
+
+async def states(db: Database) -> dict[str, int]:
+    rows = await db.fetch("SELECT coalesce(state, 'none') AS s, count(*) AS n FROM task_instance "
+                          "GROUP BY 1")
+    return {r["s"]: r["n"] for r in rows}

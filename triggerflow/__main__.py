@@ -1,0 +1,3 @@
+from triggerflow.cli import main
+
+main()
