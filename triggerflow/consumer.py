@@ -36,7 +36,13 @@ from triggerflow.rabbitmq import CONNECTION_ERRORS, Broker, Topology
 from triggerflow.reaper import Reaper
 from triggerflow.runner import Held, TriggerRunner, failure
 from triggerflow.settings import Settings
-from triggerflow.telemetry import context_from, get_metrics, tracer, tracing_enabled
+from triggerflow.telemetry import (
+    context_from,
+    current_traceparent,
+    get_metrics,
+    tracer,
+    tracing_enabled,
+)
 from triggerflow.triggers.base import BaseTrigger
 from triggerflow.watchdog import LoopWatchdog
 from triggerflow.wire import (
@@ -449,13 +455,11 @@ class Consumer:
             kind, text = EventKind.FAIL, validate_payload(
                 failure(FailureReason.TRIGGER_FAILURE, f"{held.classpath}: {exc}"), 1 << 20)
         fired = time.time()
+        traceparent = None
         if held.traceparent and tracing_enabled():
-            with tracer.start_span("triggerflow.fire", context=context_from(held.traceparent),
-                                   attributes={"triggerflow.trigger_id": held.id,
-                                               "triggerflow.queue": held.queue,
-                                               "triggerflow.event": str(kind)}):
-                pass
-        self.sink.add(Event(held.id, held.attempt, held.queue, str(kind), text, fired))
+            traceparent = self._fire_span(held, kind)
+        self.sink.add(Event(held.id, held.attempt, held.queue, str(kind), text, fired,
+                            traceparent))
         if kind == EventKind.FAIL:
             self.metrics.failed.add(1, {"queue": held.queue})
         else:
@@ -464,6 +468,16 @@ class Consumer:
             log.debug("fired %s", kind, extra=held.log_context())
         if self._paused:
             self._update_flow()
+
+    @staticmethod
+    def _fire_span(held: Held, kind: EventKind) -> str | None:
+        """A span for the run, parented on the defer span; only its id outlives this call."""
+        with tracer.start_as_current_span(
+            "triggerflow.fire", context=context_from(held.traceparent),
+            attributes={"triggerflow.trigger_id": held.id, "triggerflow.queue": held.queue,
+                        "triggerflow.event": str(kind), "triggerflow.attempt": held.attempt},
+        ):
+            return current_traceparent()
 
     async def cancel(self, ids: list[int], *, cause: str) -> int:
         stopped = self.runner.cancel(ids)

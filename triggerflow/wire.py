@@ -40,6 +40,7 @@ class Event(msgspec.Struct, array_like=True):
     kind: str
     payload: str
     fired_at: float
+    traceparent: str | None = None  # the fire span, so the writer's span joins the trace
 
 
 class EventBatch(msgspec.Struct):
