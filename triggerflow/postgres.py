@@ -97,7 +97,7 @@ WITH input AS (
     SET state = 'deferred', queue = EXCLUDED.queue, next_method = EXCLUDED.next_method,
         next_kwargs = EXCLUDED.next_kwargs, trigger_id = EXCLUDED.trigger_id,
         trigger_timeout = EXCLUDED.trigger_timeout, result = NULL, end_date = NULL,
-        event_fired_at = NULL, updated_at = EXCLUDED.updated_at
+        event_fired_at = NULL, event_applied_at = NULL, updated_at = EXCLUDED.updated_at
 )
 SELECT id FROM ids ORDER BY ord
 """
@@ -257,7 +257,8 @@ WITH ev AS (
         end_date = CASE WHEN ev.kind IN ('success', 'failed', 'skipped') THEN clock_timestamp()
                         ELSE ti.end_date END,
         trigger_id = NULL, trigger_timeout = NULL,
-        event_fired_at = to_timestamp(ev.fired_at), updated_at = clock_timestamp()
+        event_fired_at = to_timestamp(ev.fired_at), event_applied_at = clock_timestamp(),
+        updated_at = clock_timestamp()
     FROM finished JOIN ev ON ev.trigger_id = finished.id
     WHERE ti.trigger_id = finished.id AND ti.state = 'deferred'
     RETURNING ev.kind, ev.queue, extract(epoch FROM clock_timestamp()) - ev.fired_at AS latency

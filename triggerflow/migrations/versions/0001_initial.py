@@ -75,7 +75,8 @@ def upgrade() -> None:
         sa.Column("trigger_id", sa.BigInteger, nullable=True),
         sa.Column("trigger_timeout", TS, nullable=True),
         sa.Column("result", pg.JSONB, nullable=True),  # XCom of a task-end event
-        sa.Column("event_fired_at", TS, nullable=True),
+        sa.Column("event_fired_at", TS, nullable=True),  # consumer clock, when it fired
+        sa.Column("event_applied_at", TS, nullable=True),  # database clock, when applied
         sa.Column("start_date", TS, nullable=True),
         sa.Column("end_date", TS, nullable=True),
         sa.Column("updated_at", TS, nullable=False, server_default=sa.func.now()),
