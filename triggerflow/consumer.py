@@ -156,7 +156,7 @@ class Consumer:
         )
         self.sink = EventSink(broker, settings)
         self.runner = TriggerRunner(self._on_outcome)
-        self.reaper = Reaper(db, broker, settings)
+        self.reaper = Reaper(db, broker, settings, take_locally=self._take_locally)
         self.me = 0
         self.host = socket.gethostname()
         self.metrics = get_metrics()
@@ -165,6 +165,7 @@ class Consumer:
         )
         self._pending_ids = 0
         self._subscriptions: dict[str, str] = {}  # queue -> consumer tag
+        self._unacked = 0  # wake-up deliveries received and not yet acked
         self._control_tag: str | None = None
         self._paused = False
         self._lease_deadline = 0.0  # loop time by which the next renewal must succeed
@@ -271,6 +272,7 @@ class Consumer:
                 log.warning("broker unavailable (%r); retrying in %.1fs", exc, backoff)
             self._connected.clear()
             self._subscriptions.clear()
+            self._unacked = 0
             self._control_tag = None
             await self.broker.close()
             await asyncio.sleep(backoff)
@@ -303,12 +305,24 @@ class Consumer:
         self._control_tag = tag
 
     async def _check_subscriptions(self) -> None:
-        """Re-subscribe when the broker dropped a consumer while the connection looks fine."""
+        """Keep the subscriptions real while the connection looks fine.
+
+        The broker's ``basic.cancel`` (queue deleted) is handled, but not every loss sends
+        one: a quorum queue deleted and declared again at once keeps a ghost consumer on
+        RabbitMQ 3.10 that swallows deliveries without ever sending them. Only a fresh
+        ``basic.consume`` heals that, so each check also renews the subscription (two frames).
+        """
         for queue, tag in list(self._subscriptions.items()):
             if not await self.broker.is_consuming(tag):
                 log.warning("subscription to %s was cancelled by the broker; re-subscribing",
                             queue, extra={"queue": queue})
-                del self._subscriptions[queue]
+            elif await self.broker.queue_info(queue) is None:
+                log.error("queue %s no longer exists on the broker", queue, extra={"queue": queue})
+            else:
+                with contextlib.suppress(Exception):
+                    ch = await self.broker._channel().get_underlay_channel()
+                    await ch.basic_cancel(tag)
+            del self._subscriptions[queue]
         if self._control_tag and not await self.broker.is_consuming(self._control_tag):
             await self._subscribe_control()
         await self._subscribe_all()
@@ -333,7 +347,20 @@ class Consumer:
             await self._dead_letter(message, str(exc))
             return
         self._pending_ids += len(ids)
+        self._unacked += 1
         self._deliveries.put_nowait((ids, message))
+
+    def _take_locally(self, queue: str, ids: list[int]) -> list[int]:
+        """Queue freed triggers for our own claim loop; return what does not fit."""
+        if queue not in self.queues or self._stopping:
+            return ids
+        room = max(0, self.settings.capacity - len(self.runner) - self._pending_ids)
+        take, rest = ids[:room], ids[room:]
+        for i in range(0, len(take), self.settings.claim_batch):
+            chunk = take[i : i + self.settings.claim_batch]
+            self._pending_ids += len(chunk)
+            self._deliveries.put_nowait((chunk, None))
+        return rest
 
     async def _dead_letter(self, message: AbstractIncomingMessage, reason: str) -> None:
         log.warning("dead-lettering a message from %s: %s", message.routing_key, reason)
@@ -392,7 +419,13 @@ class Consumer:
             await self.broker.publish_wakeups(overflow)
         for _, message in batch:
             if message is not None:
-                await message.ack()
+                self._unacked -= 1
+                try:
+                    await message.ack()
+                except CONNECTION_ERRORS:
+                    # Redelivered after the reconnect; the claim then finds us the owner
+                    # and changes nothing.
+                    log.debug("ack lost with the channel")
         claimed = [r for r in rows if r["claimed"]]
         if len(claimed) < len(rows):
             self._suspects.set()

@@ -146,8 +146,9 @@ _CLAIM_COLUMNS = """
 """
 
 # Claim delivered ids in one statement: only of my queues, only where no live owner holds
-# them. Suspects (failures > 0) are not claimed here: they run on probation (CLAIM_PROBATION)
-# and come back flagged so the consumer knows to look for them.
+# them. Suspects (lost ungracefully twice or more) are not claimed here: they run on
+# probation (CLAIM_PROBATION) and come back flagged so the consumer knows to look for them.
+# One loss is not suspicious enough to slow a failover down.
 CLAIM = f"""
 WITH candidate AS (
     SELECT t.id, t.failures FROM trigger t
@@ -159,28 +160,29 @@ WITH candidate AS (
     FOR UPDATE OF t SKIP LOCKED
 ), claimed AS (
     UPDATE trigger t SET owner_id = $1, attempt = t.attempt + 1, claimed_at = now()
-    FROM candidate WHERE t.id = candidate.id AND candidate.failures = 0
+    FROM candidate WHERE t.id = candidate.id AND candidate.failures < 2
     RETURNING t.*
 )
 SELECT {_CLAIM_COLUMNS}, true AS claimed
 FROM claimed c LEFT JOIN task_instance ti ON ti.trigger_id = c.id
 UNION ALL
-SELECT id, 0, '', '', '', failures, NULL, NULL, NULL, false FROM candidate WHERE failures > 0
+SELECT id, 0, '', '', '', failures, NULL, NULL, NULL, false FROM candidate WHERE failures >= 2
 """
 
 # The most suspected unclaimed triggers of my queues, in a group that halves with every
-# ungraceful loss, claimed together and recorded on my row: if I die now, only they are blamed.
+# further ungraceful loss, claimed together and recorded on my row: if I die now, only they
+# are blamed. A killer among N triggers is thus alone after about log2(probation_size) deaths.
 CLAIM_PROBATION = f"""
 WITH worst AS (
     SELECT max(failures) AS f FROM trigger
     WHERE queue = ANY($2::text[]) AND owner_id IS NULL AND quarantined_at IS NULL
-      AND failures > 0
+      AND failures >= 2
 ), candidate AS (
     SELECT t.id FROM trigger t, worst
     WHERE t.queue = ANY($2::text[]) AND t.owner_id IS NULL AND t.quarantined_at IS NULL
       AND t.failures = worst.f AND NOT ($1 = ANY(t.rejected_by))
     ORDER BY t.id
-    LIMIT (SELECT greatest(1, $3::int >> least(worst.f - 1, 30)) FROM worst)
+    LIMIT (SELECT greatest(1, $3::int >> least(worst.f - 2, 30)) FROM worst)
     FOR UPDATE OF t SKIP LOCKED
 ), claimed AS (
     UPDATE trigger t SET owner_id = $1, attempt = t.attempt + 1, claimed_at = now()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
+from collections.abc import Callable
 
 from triggerflow.postgres import (
     QUEUE_CONSUMERS,
@@ -24,11 +25,22 @@ from triggerflow.telemetry import get_metrics
 log = logging.getLogger(__name__)
 
 
+TakeLocally = Callable[[str, list[int]], list[int]]
+
+
 class Reaper:
-    def __init__(self, db: Database, broker: Broker, settings: Settings) -> None:
+    """Sweeps for one process. ``take_locally(queue, ids)`` (consumers only) claims freed
+    triggers in this process first and returns the ids it had no room for; only those are
+    published. A stalled peer still subscribed to the queue (SIGSTOP, a blocked loop) would
+    otherwise receive its share of the re-sent wake-ups and sit on them until the broker's
+    heartbeat gives up on it."""
+
+    def __init__(self, db: Database, broker: Broker, settings: Settings,
+                 take_locally: TakeLocally | None = None) -> None:
         self.db = db
         self.broker = broker
         self.settings = settings
+        self.take_locally = take_locally
         self.queues = list(settings.queues)
         self.all_queues = not self.queues
         self.unconsumed: list[str] = []
@@ -37,6 +49,9 @@ class Reaper:
         by_queue: dict[str, list[int]] = defaultdict(list)
         for trigger_id, queue in rows:
             by_queue[queue].append(trigger_id)
+        if self.take_locally is not None:
+            by_queue = {q: rest for q, ids in by_queue.items()
+                        if (rest := self.take_locally(q, ids))}
         try:
             await self.broker.publish_wakeups(by_queue, rate=self.settings.reclaim_rate)
         except UnroutableError as exc:
