@@ -168,13 +168,16 @@ class Processes:
         self.procs: list[subprocess.Popen[bytes]] = []
         self._n = 0
 
-    def start(self, *args: str, **overrides: Any) -> subprocess.Popen[bytes]:
+    def start(self, *args: str, extra_pythonpath: str | None = None,
+              **overrides: Any) -> subprocess.Popen[bytes]:
         self._n += 1
         log = open(self.logdir / f"{self._n:02d}-{args[0]}.log", "wb")  # noqa: SIM115
+        env = settings_env(self.settings, **overrides)
+        if extra_pythonpath:
+            env["PYTHONPATH"] = f"{extra_pythonpath}{os.pathsep}{env['PYTHONPATH']}"
         proc = subprocess.Popen(
             [sys.executable, "-m", "triggerflow", *args],
-            env=settings_env(self.settings, **overrides), stdout=log, stderr=subprocess.STDOUT,
-            cwd=ROOT,
+            env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
         )
         proc.log_path = log.name  # type: ignore[attr-defined]
         self.procs.append(proc)
