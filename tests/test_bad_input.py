@@ -276,7 +276,7 @@ async def test_soak_20k_two_consumers_two_writers_with_a_kill(
     deferrals: list[Deferral] = []
     for i in range(20_000):
         if i % 10 == 0:
-            trig = EventAfter(delay=2 + (i % 7), kind=kinds[i % 4], payload={"i": i})
+            trig = EventAfter(delay=2 + (i % 7), kind=kinds[(i // 10) % 4], payload={"i": i})
         else:
             trig = DateTimeTrigger(now + timedelta(seconds=4 + (i % 800) / 100))
         deferrals.append(Deferral(TaskKey("soak", f"t{i}", "r"), trig, q))
