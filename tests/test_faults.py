@@ -202,3 +202,45 @@ async def test_postgres_restart_mid_run_loses_no_event(
         "SELECT count(*) = 3000 FROM task_instance WHERE state = 'scheduled'"), 60,
         interval=0.5, message="every event applied after the restart")
     await wait_until(lambda: db.fetchval("SELECT count(*) = 0 FROM trigger"), 15)
+
+
+async def test_rolling_restart_spreads_triggers(
+    client: TriggerflowClient, db: Database, procs: Processes, teams: list[str]
+) -> None:
+    q = teams[0]
+    a, b = procs.consume(q), procs.consume(q)
+    await client.defer_many(timers(1000, 120, q))
+    await wait_until(lambda: db.fetchval(
+        "SELECT count(*) = 1000 FROM trigger WHERE owner_id IS NOT NULL"), 15)
+    for old in (a, b):  # restart each in turn, as a rollout does
+        old.send_signal(signal.SIGTERM)
+        assert old.wait(timeout=15) == 0
+        new = procs.consume(q)
+        await consumer_id(db, new)
+        await wait_until(lambda: db.fetchval(
+            "SELECT count(*) = 1000 FROM trigger t JOIN consumer c ON c.id = t.owner_id "
+            "WHERE c.expires_at > now()"), 15, message="all owned by live consumers")
+
+    async def spread() -> bool:
+        counts = list((await owners(db)).values())
+        return len(counts) == 2 and min(counts) >= 300
+
+    await wait_until(spread, 20, interval=0.5, message="triggers spread over both consumers")
+    assert await db.fetchval("SELECT max(failures) FROM trigger") == 0
+
+
+async def test_orphan_timeout_and_unconsumed_queue_reported(
+    client: TriggerflowClient, db: Database, procs: Processes, teams: list[str]
+) -> None:
+    """Nobody consumes the queue: the writer's reaper times the task out and says why."""
+    writer = procs.writer(unclaimed_grace=0.5)
+    await client.defer(TaskKey("o", "t", "r"), DateTimeTrigger(
+        datetime.now(UTC) + timedelta(hours=1)), queue=teams[1], timeout=1)
+    await wait_until(lambda: db.fetchval(
+        "SELECT next_kwargs->>'error' = 'Trigger timeout' FROM task_instance"), 15,
+        message="orphaned deferral timed out")
+    assert await db.fetchval("SELECT count(*) FROM trigger") == 0
+    await client.defer(TaskKey("o", "t2", "r"), DateTimeTrigger(
+        datetime.now(UTC) + timedelta(hours=1)), queue=teams[1])
+    await wait_until(lambda: asyncio.sleep(
+        0, f"queue {teams[1]} has no live consumer" in Processes.log(writer)), 15)

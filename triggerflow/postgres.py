@@ -351,6 +351,13 @@ WITH due AS (
 DELETE FROM trigger WHERE id IN (SELECT trigger_id FROM failed) RETURNING id
 """
 
+# Queues with triggers waiting past the grace period (the writer's reaper checks them all).
+WAITING_QUEUES = """
+SELECT DISTINCT queue FROM trigger
+WHERE owner_id IS NULL AND quarantined_at IS NULL
+  AND dispatched_at < now() - make_interval(secs => $1)
+"""
+
 QUEUE_CONSUMERS = """
 SELECT q, count(c.id) AS consumers
 FROM unnest($1::text[]) AS q

@@ -16,6 +16,7 @@ from triggerflow.postgres import (
     REAP_DEAD,
     RESEND_UNCLAIMED,
     TIMEOUT_ORPHANS,
+    WAITING_QUEUES,
     Database,
 )
 from triggerflow.rabbitmq import CONNECTION_ERRORS, Broker, UnroutableError
@@ -105,14 +106,19 @@ class Reaper:
 
     async def report_unconsumed(self) -> list[str]:
         """Queues in scope with no live consumer: the "nobody consumes default" trap."""
+        queues = self.queues
         if self.all_queues:
-            return []
-        rows = await self.db.fetch(QUEUE_CONSUMERS, self.queues)
+            waiting = await self.db.fetch(WAITING_QUEUES, self.settings.unclaimed_grace)
+            queues = [r["queue"] for r in waiting]
+            if not queues:
+                self.unconsumed = []
+                return []
+        rows = await self.db.fetch(QUEUE_CONSUMERS, queues)
         self.unconsumed = [r["q"] for r in rows if r["consumers"] == 0]
         for queue in self.unconsumed:
             get_metrics().unconsumed.add(1, {"queue": queue})
-            log.warning("queue %s has no live consumer: its triggers wait", queue,
-                        extra={"queue": queue})
+            log.warning("queue %s has no live consumer: its triggers wait (start "
+                        "`triggerflow consume --queue %s`)", queue, queue, extra={"queue": queue})
         return self.unconsumed
 
     async def sweep(self) -> None:

@@ -148,6 +148,7 @@ class Writer:
                     next_reap = loop.time() + self.settings.reaper_interval
                     await self.reaper.time_out_orphans()
                     await self.reaper.reap_dead()
+                    await self.reaper.report_unconsumed()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
