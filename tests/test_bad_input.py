@@ -141,7 +141,10 @@ async def test_poison_event_payloads(
     await wait_until(lambda: db.fetchval(
         "SELECT count(*) = 3 FROM task_instance WHERE trigger_id IS NULL AND task_id IN "
         "('t100', 't101', 't102') AND state = 'scheduled'"), 15)
-    assert await db.fetchval("SELECT state FROM task_instance WHERE task_id = 't200'") == "deferred"
+    # The refused event's task is not left deferred forever: it fails readably.
+    await wait_until(lambda: db.fetchval(
+        "SELECT next_kwargs->>'message' LIKE 'event dead-lettered%' FROM task_instance "
+        "WHERE task_id = 't200'"), 10)
     letters = await dead_letters(settings, 1)
     assert letters and "database refused event" in letters[0][1]
     assert b"t200" not in letters[0][0] and str(bad_id).encode() in letters[0][0]
@@ -162,6 +165,17 @@ async def test_forged_events_from_another_team_user_are_dead_lettered(
     letters = await dead_letters(settings, 1)
     assert letters and "forged" in letters[0][1]
     assert await db.fetchval("SELECT state FROM task_instance") == "deferred"
+
+
+async def test_events_from_the_teams_own_user_are_applied(
+    client: TriggerflowClient, db: Database, procs: Processes, teams: list[str]
+) -> None:
+    """With team_users set, a consumer's events carry its AMQP user and pass the check."""
+    procs.writer(team_users={teams[0]: "guest"})
+    procs.consume(teams[0])
+    await client.defer(TaskKey("own", "t", "r"), EventAfter(payload="mine"), queue=teams[0])
+    await wait_until(lambda: db.fetchval(
+        "SELECT next_kwargs->>'event' = 'mine' FROM task_instance"), 15)
 
 
 async def test_kwargs_encrypted_at_rest(
@@ -230,7 +244,7 @@ async def test_killer_among_many_is_quarantined_alone(
     """One trigger that kills its consumer (os._exit) among 300 innocents: consumers keep
     being restarted; probation groups halve until the killer runs alone and is quarantined."""
     q = teams[0]
-    overrides = {"probation_size": 32, "max_failures": 12}
+    overrides: dict[str, int] = {}
     moment = datetime.now(UTC) + timedelta(seconds=45)
     innocents = [Deferral(TaskKey("inn", f"t{i}", "r"), DateTimeTrigger(moment), q)
                  for i in range(300)]

@@ -70,7 +70,7 @@ async def test_consumer_loss_fails_over_to_peer(
     assert took < bound, f"failover after {sig.name} took {took:.2f}s (bound {bound}s)"
     if sig == signal.SIGTERM:
         assert first.wait(timeout=10) == 0
-        assert "handed back 500 triggers" in Processes.log(first)
+        assert "handed back" in Processes.log(first)
         # A graceful hand-over is not counted against the triggers.
         assert await db.fetchval("SELECT max(failures) FROM trigger") == 0
     else:

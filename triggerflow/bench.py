@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import math
 import os
@@ -108,7 +109,7 @@ QUICK = Sizes(
     steady_rate=100, steady_seconds=3.0, waiting=500, idle_window=4.0, dbload_burst=200,
     dbload_steady_seconds=2.0, writer_events=1_000, defer_single=50, defer_batched=1_000,
     defer_batch=100, defer_procs=8, defer_seconds=1.5, failover=200, failover_repeats=1,
-    failover_timeout=60.0, quiet_wait=3.0,
+    failover_timeout=60.0, quiet_wait=0.0,
 )
 
 # What the issue asks for, and Airflow 3.3.2's triggerer measured in DESIGN.md.
@@ -640,11 +641,13 @@ class Bench:
         return int(await self.db().fetchval(
             "SELECT count(*) FROM trigger WHERE owner_id = $1", owner))
 
-    async def latencies(self, run_id: str) -> list[float]:
+    async def latencies(self, run_id: str) -> tuple[list[float], list[float]]:
+        """(instant -> task updated, instant -> event fired in the consumer) per task."""
         rows = await self.db().fetch(
             "SELECT extract(epoch FROM updated_at - (next_kwargs->>'event')::timestamptz)::float8"
-            " AS l FROM task_instance WHERE run_id = $1 AND state = 'scheduled'", run_id)
-        return [r["l"] for r in rows]
+            " AS l, extract(epoch FROM event_fired_at - (next_kwargs->>'event')::timestamptz)"
+            "::float8 AS f FROM task_instance WHERE run_id = $1 AND state = 'scheduled'", run_id)
+        return [r["l"] for r in rows], [r["f"] for r in rows if r["f"] is not None]
 
     async def stmt_reset(self) -> None:
         await self.db().execute("SELECT pg_stat_statements_reset(0, $1, 0)", self.dbid)
@@ -769,11 +772,12 @@ async def _burst_once(b: Bench, n: int) -> dict[str, Any]:
     done, _ = await b.wait_for(
         "SELECT count(*) FROM task_instance WHERE state = 'scheduled'", n, 120, interval=0.1)
     stmts = await b.stmt_snapshot()
-    lat = await b.latencies(run)
+    lat, fired = await b.latencies(run)
     if not done:
         b.log(f"[red]  only {len(lat):,}/{n:,} applied after 120 s")
     d = dist(lat)
     return {**d, "all_applied": d["max"], "applied": len(lat), "claimed_before": ok,
+            "fired_p50": pct(fired, 50), "fired_max": max(fired, default=math.nan),
             "machine_busy_before": busy,
             "statements": b.calls(stmts), "stmts_per_event": b.calls(stmts) / max(1, len(lat)),
             "by_statement": stmts, "latencies": [round(x, 5) for x in lat]}
@@ -788,14 +792,14 @@ async def scenario_burst(b: Bench) -> dict[str, Any]:
         runs = []
         for i in range(b.sizes.repeats):
             b.log(f"burst: N={n:,} run {i + 1}/{b.sizes.repeats}")
-            r = await b.measured(f"burst {n}", lambda n=n: _burst_once(b, n))
+            r = await b.measured(f"burst {n}", functools.partial(_burst_once, b, n))
             runs.append(r)
             b.log(f"burst: N={n:,} run {i + 1}: p50 {ms(r['p50'])}, p99 {ms(r['p99'])}, all "
                   f"applied {ms(r['all_applied'])}, {r['statements']} statements")
         out["sizes"][str(n)] = {
             "runs": runs,
             **{k: median_of(runs, k) for k in ("p50", "p95", "p99", "max", "all_applied",
-                                               "stmts_per_event", "statements")},
+                                               "stmts_per_event", "statements", "fired_max")},
         }
     out["cpu_idle_pct"] = await cpu_percent([p.pid for p in procs], 1.0)
     return out
@@ -805,16 +809,18 @@ def table_burst(res: dict[str, Any], repeats: int) -> Table:
     from rich.table import Table
 
     t = Table(title=f"Burst: N DateTimeTriggers firing at one instant (median of {repeats} runs)")
-    for col in ("N", "p50", "p95", "p99", "max", "all applied", "statements", "per event",
-                "runs: all applied"):
+    for col in ("N", "p50", "p95", "p99", "all applied", "all fired", "statements",
+                "per event", "runs: all applied"):
         t.add_column(col, justify="right")
     for n, r in res["sizes"].items():
-        t.add_row(num(int(n)), ms(r["p50"]), ms(r["p95"]), ms(r["p99"]), ms(r["max"]),
-                  ms(r["all_applied"]), num(r["statements"]), f"{r['stmts_per_event']:.4f}",
-                  ", ".join(ms(x["all_applied"]) for x in r["runs"]))
+        t.add_row(num(int(n)), ms(r["p50"]), ms(r["p95"]), ms(r["p99"]),
+                  ms(r["all_applied"]), ms(r["fired_max"]), num(r["statements"]),
+                  f"{r['stmts_per_event']:.4f}", ", ".join(ms(x["all_applied"]) for x in r["runs"]))
     t.caption = ("Latency = task_instance.updated_at (DB clock) - the trigger's instant, one "
-                 "consumer + one writer. Statements: pg_stat_statements calls of the consumer "
-                 "and writer roles from 0.3 s before the instant until all applied.")
+                 "consumer + one writer; all applied = max. All fired = last event_fired_at "
+                 "(consumer clock, same host) - instant: the consumer's share. Statements: "
+                 "pg_stat_statements calls of the consumer and writer roles from 0.3 s before "
+                 "the instant until all applied.")
     return t
 
 
@@ -838,8 +844,9 @@ async def _steady_once(b: Bench, rate: int, seconds: float) -> dict[str, Any]:
     await b.wait_for(
         "SELECT count(*) FROM task_instance WHERE state = 'scheduled'", total, 60, interval=0.1)
     stmts = await b.stmt_snapshot()
-    lat = await b.latencies(run)
+    lat, fired = await b.latencies(run)
     return {**dist(lat), "rate": rate, "seconds": seconds, "applied": len(lat),
+            "fired_p50": pct(fired, 50), "fired_p99": pct(fired, 99),
             "machine_busy_before": busy,
             "claimed_before": ok, "statements": b.calls(stmts),
             "stmts_per_event": b.calls(stmts) / max(1, len(lat)), "by_statement": stmts,
@@ -861,17 +868,21 @@ def table_steady(res: dict[str, Any]) -> Table:
     from rich.table import Table
 
     t = Table(title=f"Steady rate: {res['rate']:,} fires/s for {res['seconds']:.0f} s")
-    for col in ("events", "p50", "p95", "p99", "max", "statements", "per event"):
+    for col in ("events", "p50", "p95", "p99", "max", "fired p50", "fired p99", "statements",
+                "per event"):
         t.add_column(col, justify="right")
     t.add_row(num(res["applied"]), ms(res["p50"]), ms(res["p95"]), ms(res["p99"]),
-              ms(res["max"]), num(res["statements"]), f"{res['stmts_per_event']:.3f}")
+              ms(res["max"]), ms(res["fired_p50"]), ms(res["fired_p99"]),
+              num(res["statements"]), f"{res['stmts_per_event']:.3f}")
     t.caption = ("Instants spread evenly (1 ms apart at 1,000/s); latency = updated_at - "
-                 "instant; statements of consumer + writer over the whole window.")
+                 "instant; fired = event_fired_at - instant (the consumer's share); statements "
+                 "of consumer + writer over the whole window.")
     return t
 
 
 # EXPLAIN targets: statement name -> how to build its arguments from the live data.
-HOT = ("CLAIM", "RENEW", "REAP_DEAD", "RESEND_UNCLAIMED", "TIMEOUT_ORPHANS",
+HOT = ("CLAIM", "RENEW", "REAP_DEAD", "REAP_DEAD (a dead owner)", "RESEND_UNCLAIMED",
+       "TIMEOUT_ORPHANS",
        "TIMEOUT_ORPHANS (writer)", "SWEEP_CANCELLED", "APPLY_EVENTS", "DEFER")
 
 
@@ -893,6 +904,9 @@ async def _explain_all(b: Bench, me: int) -> list[dict[str, Any]]:
         "CLAIM": (pg.CLAIM, (me, idle_ids, [b.idle_queue])),
         "RENEW": (pg.RENEW, (me, 3.0, 100_000, [b.queue])),
         "REAP_DEAD": (pg.REAP_DEAD, ([b.queue], False, 10)),
+        # the consumer's lease expires inside the rolled-back transaction: what a peer's
+        # reaper runs once after a crash, freeing everything it held
+        "REAP_DEAD (a dead owner)": (pg.REAP_DEAD, ([b.queue], False, 10)),
         "RESEND_UNCLAIMED": (pg.RESEND_UNCLAIMED, ([b.queue], False, 15.0, 20_000)),
         "TIMEOUT_ORPHANS": (pg.TIMEOUT_ORPHANS, ([b.queue], False, 7 * 86400.0)),
         "TIMEOUT_ORPHANS (writer)": (pg.TIMEOUT_ORPHANS, ([], True, 7 * 86400.0)),
@@ -913,15 +927,19 @@ async def _explain_all(b: Bench, me: int) -> list[dict[str, Any]]:
         for _ in range(2):  # the second run is the warm one we keep
             try:
                 async with db.acquire() as conn, conn.transaction():
+                    if name == "REAP_DEAD (a dead owner)":
+                        await conn.execute("UPDATE consumer SET expires_at = now() - "
+                                           "interval '1 second' WHERE id = $1", me)
                     rows = await conn.fetch("EXPLAIN (ANALYZE, BUFFERS) " + sql, *params)
                     plan = [r[0] for r in rows]
                     raise _Rollback
             except _Rollback:
                 pass
         text = "\n".join(plan)
+        ran = "\n".join(line for line in plan if "never executed" not in line)
         indexes = sorted(set(re.findall(r"(?:Index Scan|Index Only Scan|Bitmap Index Scan)"
-                                        r"(?: Backward)? (?:using|on) (\w+)", text)))
-        seqs = sorted(set(re.findall(r"Seq Scan on (\w+)", text)))
+                                        r"(?: Backward)? (?:using|on) (\w+)", ran)))
+        seqs = sorted(set(re.findall(r"Seq Scan on (\w+)", ran)))
         exec_ms = re.search(r"Execution Time: ([\d.]+) ms", text)
         hits = sum(int(x) for x in re.findall(r"shared hit=(\d+)", plan[0] if plan else ""))
         out.append({"statement": name, "exec_ms": float(exec_ms.group(1)) if exec_ms else None,
@@ -930,13 +948,16 @@ async def _explain_all(b: Bench, me: int) -> list[dict[str, Any]]:
     return out
 
 
-async def _writer_rate(b: Bench, writers: int, run: str) -> dict[str, Any]:
+async def _writer_rate(b: Bench, writers: int, run: str, limit: int) -> dict[str, Any]:
+    """Publish one event for each of the first ``limit`` tasks still deferred in ``run``, with
+    ``writers`` writers running; time until all are applied."""
     from triggerflow.wire import Event, encode_events, encode_json
 
     assert b.broker is not None
     ids = [(r["id"], r["attempt"]) for r in await b.db().fetch(
         "SELECT t.id, t.attempt FROM trigger t JOIN task_instance ti ON ti.trigger_id = t.id"
         " WHERE ti.run_id = $1 ORDER BY t.id", run)]
+    ids = ids[:limit]
     procs = [await b.start_writer() for _ in range(writers)]
     payload = encode_json(datetime.now(UTC))
     batches = [ids[i:i + 500] for i in range(0, len(ids), 500)]
@@ -950,11 +971,12 @@ async def _writer_rate(b: Bench, writers: int, run: str) -> dict[str, Any]:
         for part in batches))
     publish_s = time.time() - t0
     done, _ = await b.wait_for(
-        "SELECT count(*) FROM task_instance WHERE run_id = $1 AND state = 'scheduled'",
-        len(ids), 120, run, interval=0.1)
+        "SELECT count(*) FROM task_instance WHERE run_id = $1 AND state = 'scheduled' "
+        "AND event_fired_at >= to_timestamp($2)", len(ids), 180, run, t0, interval=0.1)
     last = await b.db().fetchval(
         "SELECT extract(epoch FROM max(updated_at))::float8 FROM task_instance "
-        "WHERE run_id = $1 AND state = 'scheduled'", run)
+        "WHERE run_id = $1 AND state = 'scheduled' AND event_fired_at >= to_timestamp($2)",
+        run, t0)
     stmts = await b.stmt_snapshot()
     for p in procs:
         await b.stop(p)
@@ -1009,19 +1031,25 @@ async def scenario_dbload(b: Bench) -> dict[str, Any]:
                                                              s.dbload_steady_seconds))
     steady.pop("latencies")
     out["steady"] = steady
-    # 4. Writer throughput with 1 and 2 writers: pre-deferred tasks, events published at once.
+    # 4. Writer throughput: 1 writer right after the deferrals (planner statistics stale, as
+    # after any big batch of deferrals), then 1 and 2 writers once the tables are analyzed.
     await b.reset()
     n = s.writer_events
-    b.log(f"dbload: writer throughput: deferring 2 x {n:,} tasks")
-    runs = [_run_id("w1"), _run_id("w2")]
-    for run in runs:
-        await b.defer(n, run)
-    await b.purge()  # no consumer: the events below are what a consumer would publish
     out["writers"] = []
-    for writers, run in zip((1, 2), runs, strict=True):
-        r = await _writer_rate(b, writers, run)
+    cases = (("stale", 1), ("analyzed", 1), ("analyzed", 2))
+    for i, (stats, writers) in enumerate(cases):
+        if i < 2:
+            run = _run_id(f"w{i}")
+            b.log(f"dbload: writer throughput: deferring {n:,} tasks")
+            await b.defer(n if i == 0 else 2 * n, run)
+            await b.purge()  # no consumer: the events below are what a consumer would publish
+            if stats == "analyzed":
+                await b.analyze()
+        r = await _writer_rate(b, writers, run, n)
+        r["stats"] = stats
         out["writers"].append(r)
-        b.log(f"dbload: {writers} writer(s): {r['events_per_s']:,.0f} events/s")
+        b.log(f"dbload: {writers} writer(s), statistics {stats}: {r['events_per_s']:,.0f} "
+              "events/s")
     return out
 
 
@@ -1054,12 +1082,16 @@ def tables_dbload(res: dict[str, Any]) -> list[Table]:
                    num(Bench.calls(by, ("writer",))), num(r["statements"]),
                    f"{r['stmts_per_event']:.4f}")
     t3 = Table(title="Writer throughput (events published all at once, 500 per message)")
-    for col in ("writers", "events", "seconds", "events/s", "APPLY_EVENTS calls", "statements"):
+    for col in ("writers", "planner statistics", "events", "seconds", "events/s",
+                "APPLY_EVENTS calls", "statements"):
         t3.add_column(col, justify="right")
     for r in res["writers"]:
-        t3.add_row(str(r["writers"]), num(r["events"]), f"{r['seconds']:.2f}",
-                   num(r["events_per_s"]), num(r["apply_statements"]), num(r["statements"]))
-    t3.caption = "seconds = first publish → last task_instance.updated_at (DB clock)."
+        t3.add_row(str(r["writers"]), r.get("stats", "-"), num(r["events"]),
+                   f"{r['seconds']:.2f}", num(r["events_per_s"]), num(r["apply_statements"]),
+                   num(r["statements"]))
+    t3.caption = ("seconds = first publish → last task_instance.updated_at (DB clock). Stale: "
+                  "the tasks were deferred just before (autovacuum has not analyzed them yet, as "
+                  "after any large batch of deferrals); analyzed: after ANALYZE.")
     t4 = Table(title="Hot statements: EXPLAIN (ANALYZE, BUFFERS) against the waiting data")
     for col in ("statement", "execution", "indexes used", "seq scans"):
         t4.add_column(col, justify="left")
@@ -1166,8 +1198,8 @@ async def _failover_once(b: Bench, sig: signal.Signals) -> dict[str, Any]:
     await b.stop(victim, signal.SIGKILL)
     await b.stop(peer)
     freed = (detail["freed"] - t0) if detail["freed"] else math.nan
-    return {"signal": sig.name, "held": held, "machine_busy_before": busy, "moved": moved, "complete": done,
-            "seconds": t_all - t0, "freed_after_s": freed,
+    return {"signal": sig.name, "held": held, "machine_busy_before": busy, "moved": moved,
+            "complete": done, "seconds": t_all - t0, "freed_after_s": freed,
             "quarantined": detail["quarantined"], "suspects_left": detail["suspects"]}
 
 
@@ -1176,8 +1208,7 @@ async def scenario_failover(b: Bench) -> dict[str, Any]:
     for sig in (signal.SIGKILL, signal.SIGTERM):
         runs = []
         for i in range(b.sizes.failover_repeats):
-            r = await b.measured(f"failover {sig.name}",
-                                 lambda sig=sig: _failover_once(b, sig))  # type: ignore[misc]
+            r = await b.measured(f"failover {sig.name}", functools.partial(_failover_once, b, sig))
             runs.append(r)
             b.log(f"failover: {sig.name} run {i + 1}: {r['held']:,} triggers on the peer after "
                   f"{r['seconds']:.2f}s (freed after {r['freed_after_s']:.2f}s)"
@@ -1382,8 +1413,12 @@ def run_bench(settings: Settings, scenarios: list[str], quick: bool) -> int:
 
 
 async def _main(settings: Settings, chosen: list[str], quick: bool, console: Console) -> int:
+    import logging
+
     from rich.markup import escape
 
+    for noisy in ("aiormq", "aio_pika"):  # broker restarts are reported by the watcher
+        logging.getLogger(noisy).setLevel(logging.CRITICAL)
     sizes = QUICK if quick else FULL
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     results_dir = Path("bench-results")
@@ -1427,9 +1462,9 @@ async def _main(settings: Settings, chosen: list[str], quick: bool, console: Con
     path = results_dir / f"bench-{stamp}{'-quick' if quick else ''}.json"
     path.write_text(json.dumps(results, indent=1, default=str))
     console.print(f"raw results: {path}")
-    if "burst" in results and not quick:
-        if PLOT.parent.parent.is_dir() and plot_bursts(results["burst"], PLOT):
-            console.print(f"burst latency plot: {PLOT}")
+    if "burst" in results and not quick and PLOT.parent.parent.is_dir() and plot_bursts(
+            results["burst"], PLOT):
+        console.print(f"burst latency plot: {PLOT}")
     (results_dir / f"bench-{stamp}{'-quick' if quick else ''}.txt").write_text(
         console.export_text())
     return 1 if failed else 0
@@ -1445,7 +1480,7 @@ async def _sdk_worker(args: Any) -> dict[str, Any]:
     from triggerflow.triggers import DateTimeTrigger
 
     moment = datetime.now(UTC) + timedelta(seconds=FAR)
-    async with TriggerflowClient(Settings()) as client:
+    async with TriggerflowClient(Settings(**{})) as client:  # from TRIGGERFLOW_* only
         for i in range(20):  # warm: connections, prepared statements, routability
             await client.defer(TaskKey("bench", f"warm{i}", args.run_id), DateTimeTrigger(moment),
                                queue=args.queue)

@@ -25,7 +25,7 @@ CONNECTION = ("amqp_url", "database_url", "namespace", "heartbeat", "db_pool_siz
               "log_level", "log_format")
 TELEMETRY = ("metrics_port", "otlp_endpoint", "trace_file")
 CONSUMER = ("queues", "capacity", "allowed_modules", "lease_ttl", "renew_interval",
-            "claim_batch", "prefetch", "reclaim_rate", "probation_size", "probation_seconds",
+            "claim_batch", "prefetch", "reclaim_rate", "probation_seconds",
             "max_failures", "blocked_threshold", "subscription_check_interval", "event_batch",
             "event_linger", "max_event_bytes", "reaper_interval", "cancel_sweep_interval",
             "unclaimed_grace", "max_deferral", "kwargs_key")

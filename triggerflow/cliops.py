@@ -1,46 +1,167 @@
-"""Admin and operator commands: status, health, trigger show, requeue, unquarantine, defer.
+"""Admin and operator commands: status, health, trigger show, requeue, unquarantine, defer;
+and the per-queue gauges (depth, consumers) every ``consume``/``writer`` process exports.
 
-Kept apart from ``cli.py`` so that file stays the thin parse-and-dispatch layer.
+Kept apart from ``cli.py`` so that file stays the thin parse-and-dispatch layer. Everything
+printed here goes through ``Redactor``: connection URLs may carry passwords.
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
+import contextlib
 import json
-import os
+import logging
+import re
 import socket
 import sys
+import threading
+import time
 import uuid
 from collections import defaultdict
 from collections.abc import Callable
 from datetime import datetime
 from typing import Any
+from urllib.parse import urlsplit
 
 import click
 
 from triggerflow.model import TaskKey
 from triggerflow.postgres import (
     QUARANTINED,
-    REQUEUE,
+    QUEUE_CONSUMERS,
     SHOW_TRIGGER,
     STATUS_CONSUMERS,
     STATUS_OVERDUE,
     STATUS_QUEUES,
-    UNQUARANTINE,
     Database,
 )
 from triggerflow.rabbitmq import Broker, Topology
 from triggerflow.settings import Settings
 
+log = logging.getLogger(__name__)
+
 EXIT_ATTENTION = 3
+
+# -- statements of the admin commands (kept beside them; candidates for postgres.py) ---------
+
+# Release and re-send triggers that no live consumer runs (never claimed, rejected by every
+# consumer, or owned by a dead or vanished consumer). With $2 (--force) also those a live
+# consumer holds: its copy keeps running until it fires or times out, but its event carries
+# the old attempt and the writer ignores it. Quarantined triggers need unquarantine.
+REQUEUE_IDLE = """
+UPDATE trigger t SET owner_id = NULL, dispatched_at = now(), rejected_by = '{}'
+WHERE t.id = ANY($1::bigint[]) AND t.quarantined_at IS NULL
+  AND ($2 OR t.owner_id IS NULL OR NOT EXISTS (
+        SELECT 1 FROM consumer c WHERE c.id = t.owner_id AND c.expires_at > now()))
+RETURNING t.id, t.queue
+"""
+
+LIVE_OWNERS = """
+SELECT t.id, c.id AS owner_id, c.host, c.pid FROM trigger t
+JOIN consumer c ON c.id = t.owner_id AND c.expires_at > now()
+WHERE t.id = ANY($1::bigint[])
+"""
+
+# Undo a quarantine. The task the quarantine failed (still linked by trigger_id) is deferred
+# again with its original continuation and timeout, and the trigger re-sent. If the host has
+# already handled that failure (the task left 'scheduled'/'__fail__'), the trigger is dropped
+# instead: re-running it could no longer resume anything.
+UNQUARANTINE_SAFE = """
+WITH target AS (
+    SELECT t.id, t.queue, t.timeout_at, ti.id AS ti_id,
+           coalesce(ti.state = 'scheduled' AND ti.next_method = '__fail__'
+                    AND ti.next_kwargs ? 'deferred_next_method', false) AS resumable
+    FROM trigger t LEFT JOIN task_instance ti ON ti.trigger_id = t.id
+    WHERE t.id = ANY($1::bigint[]) AND t.quarantined_at IS NOT NULL
+    FOR UPDATE OF t
+), redeferred AS (
+    UPDATE task_instance ti SET state = 'deferred', end_date = NULL,
+           next_method = ti.next_kwargs->>'deferred_next_method',
+           next_kwargs = ti.next_kwargs->'deferred_next_kwargs',
+           trigger_timeout = target.timeout_at, updated_at = clock_timestamp()
+    FROM target
+    WHERE ti.id = target.ti_id AND target.resumable
+      AND ti.state = 'scheduled' AND ti.next_method = '__fail__'
+    RETURNING target.id
+), freed AS (
+    UPDATE trigger t SET quarantined_at = NULL, failures = 0, rejected_by = '{}',
+           owner_id = NULL, dispatched_at = now(), last_error = NULL
+    FROM target WHERE t.id = target.id AND target.resumable
+    RETURNING t.id, t.queue
+), dropped AS (
+    DELETE FROM trigger t USING target WHERE t.id = target.id AND NOT target.resumable
+    RETURNING t.id
+)
+SELECT id, queue, true AS resent FROM freed
+UNION ALL
+SELECT id, NULL, false FROM dropped
+"""
+
+HEALTH = """
+SELECT id, kind, pid, expires_at > now() AS alive,
+       extract(epoch FROM now() - renewed_at)::float8 AS age
+FROM consumer
+WHERE host = $1 AND ($2 = 'any' OR kind = $2) AND ($3::int IS NULL OR pid = $3)
+ORDER BY renewed_at DESC
+"""
+
+# Queues a writer reports on (it serves them all): those consumers declare, and those with
+# triggers waiting (a loose index scan of ``trigger_unclaimed``, cheap however many wait).
+ALL_QUEUES = """
+WITH RECURSIVE waiting(queue) AS (
+    (SELECT queue FROM trigger WHERE owner_id IS NULL AND quarantined_at IS NULL
+     ORDER BY queue LIMIT 1)
+    UNION ALL
+    SELECT (SELECT t.queue FROM trigger t
+            WHERE t.owner_id IS NULL AND t.quarantined_at IS NULL AND t.queue > w.queue
+            ORDER BY t.queue LIMIT 1)
+    FROM waiting w WHERE w.queue IS NOT NULL
+)
+SELECT queue FROM waiting WHERE queue IS NOT NULL
+UNION
+SELECT unnest(queues) FROM consumer WHERE kind = 'consumer'
+"""
+
+LIVE_WRITERS = "SELECT count(*) FROM consumer WHERE kind = 'writer' AND expires_at > now()"
+
+_USERINFO = re.compile(r"(?P<scheme>[a-z][a-z0-9+.-]*://)(?P<user>[^:/@\s]*):[^@\s]*@", re.I)
+
+
+class Redactor:
+    """Removes the passwords of the configured URLs (and of any URL) from text."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.secrets: list[str] = []
+        for url in (settings.amqp_url.get_secret_value(), settings.database_url.get_secret_value()):
+            password = urlsplit(url).password
+            if password:
+                self.secrets.append(password)
+        if settings.kwargs_key is not None:
+            self.secrets.append(settings.kwargs_key.get_secret_value())
+
+    def __call__(self, text: str) -> str:
+        text = _USERINFO.sub(r"\g<scheme>\g<user>:***@", text)
+        for secret in self.secrets:
+            if len(secret) >= 3:  # a one-letter password would mangle every line
+                text = text.replace(secret, "***")
+        return text
+
+
+async def _connect_db(settings: Settings) -> Database:
+    return await Database.connect(settings.database_dsn(), max_size=1,
+                                  pgbouncer=settings.pgbouncer)
+
+
+def _broker(settings: Settings, name: str) -> Broker:
+    return Broker(settings.amqp_dsn(), Topology(settings.namespace), name=name)
 
 
 async def shell_defer(settings: Settings, queue: str, classpath: str, kwargs: dict[str, Any],
-                      count: int, timeout: float | None, dag_id: str, batch: int) -> list[int]:
-    from triggerflow.loader import TriggerLoader
+                      count: int, trigger_timeout: float | None, dag_id: str,
+                      batch: int) -> list[int]:
+    from triggerflow.loader import KwargsCodec, TriggerLoader
     from triggerflow.sdk import Deferral, TriggerflowClient
-
-    from triggerflow.loader import KwargsCodec
 
     trigger = TriggerLoader(settings.allowed_modules, KwargsCodec()).resolve(classpath)(**kwargs)
     run_id = f"cli-{uuid.uuid4().hex[:12]}"
@@ -48,28 +169,34 @@ async def shell_defer(settings: Settings, queue: str, classpath: str, kwargs: di
     async with TriggerflowClient(settings) as client:
         for start in range(0, count, batch):
             ids += await client.defer_many([
-                Deferral(TaskKey(dag_id, "deferred", run_id, i), trigger, queue, timeout=timeout)
+                Deferral(TaskKey(dag_id, "deferred", run_id, i), trigger, queue,
+                         timeout=trigger_timeout)
                 for i in range(start, min(count, start + batch))
             ])
     return ids
 
 
 async def collect_status(settings: Settings) -> dict[str, Any]:
-    db = await Database.connect(settings.database_dsn(), max_size=1, pgbouncer=settings.pgbouncer)
+    """Queues, processes, overdue and quarantined triggers, and the problems among them."""
+    redact = Redactor(settings)
+    db = await _connect_db(settings)
     try:
-        consumers = [dict(r) for r in await db.fetch(STATUS_CONSUMERS)]
-        queues = {r["queue"]: dict(r) for r in await db.fetch(STATUS_QUEUES)}
+        process_rows: list[Any] = await db.fetch(STATUS_CONSUMERS)
+        queue_rows: list[Any] = await db.fetch(STATUS_QUEUES)
         overdue = await db.fetchval(STATUS_OVERDUE)
-        quarantined = [dict(r) for r in await db.fetch(QUARANTINED)]
+        quarantine_rows: list[Any] = await db.fetch(QUARANTINED)
     finally:
         await db.close()
+    consumers = [dict(r) for r in process_rows]
+    queues = {r["queue"]: dict(r) for r in queue_rows}
+    quarantined = [dict(r) for r in quarantine_rows]
     names = set(queues) | set(settings.queues)
     for c in consumers:
         names.update(c["queues"])
     broker_info: dict[str, tuple[int, int] | None] = {}
     broker_error = None
     try:
-        broker = Broker(settings.amqp_dsn(), Topology(settings.namespace), name="status")
+        broker = _broker(settings, "triggerflow-status")
         await broker.connect()
         try:
             for name in sorted(names):
@@ -77,7 +204,7 @@ async def collect_status(settings: Settings) -> dict[str, Any]:
         finally:
             await broker.close()
     except Exception as exc:
-        broker_error = str(exc).replace(settings.amqp_url.get_secret_value(), "<amqp_url>")
+        broker_error = redact(str(exc) or type(exc).__name__)
     report_queues = []
     problems: list[str] = []
     for name in sorted(names):
@@ -90,7 +217,7 @@ async def collect_status(settings: Settings) -> dict[str, Any]:
             "depth": info[0] if info else None,
             "broker_consumers": info[1] if info else None,
             "consumers": len(live),
-            "running": sum(c["running"] for c in live),
+            "running": row.get("owned", 0) - row.get("dead_owner", 0),
             "triggers": row.get("triggers", 0),
             "unclaimed": row.get("unclaimed", 0),
             "quarantined": row.get("quarantined", 0),
@@ -109,6 +236,8 @@ async def collect_status(settings: Settings) -> dict[str, Any]:
         problems.append(f"{overdue} deferred task(s) past their timeout")
     if broker_error:
         problems.append(f"broker unreachable: {broker_error}")
+    for q in quarantined:
+        q["last_error"] = redact(q["last_error"]) if q["last_error"] else q["last_error"]
     return {"queues": report_queues, "consumers": consumers, "overdue_tasks": overdue,
             "quarantined": quarantined, "problems": problems}
 
@@ -117,11 +246,12 @@ def _render_status(report: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    # Piped into a file or a pod log, do not fold queue names at 80 columns.
+    console = Console(width=None if sys.stdout.isatty() else 200)
     t = Table(title="Queues")
     for col in ("queue", "depth", "consumers", "running", "triggers", "unclaimed",
                 "quarantined", "dead owner"):
-        t.add_column(col, justify="left" if col == "queue" else "right")
+        t.add_column(col, justify="left" if col == "queue" else "right", no_wrap=True)
     for q in report["queues"]:
         t.add_row(q["queue"], "-" if q["depth"] is None else str(q["depth"]), str(q["consumers"]),
                   str(q["running"]), str(q["triggers"]), str(q["unclaimed"]),
@@ -130,7 +260,7 @@ def _render_status(report: dict[str, Any]) -> None:
     c = Table(title="Processes")
     for col in ("id", "kind", "host", "pid", "queues", "running", "capacity", "last renewal",
                 "alive"):
-        c.add_column(col)
+        c.add_column(col, no_wrap=col != "queues")
     for p in report["consumers"]:
         c.add_row(str(p["id"]), p["kind"], p["host"], str(p["pid"]), ",".join(p["queues"]),
                   str(p["running"]), str(p["capacity"]),
@@ -146,7 +276,7 @@ def _render_status(report: dict[str, Any]) -> None:
         console.print(qt)
     console.print(f"Deferred tasks past their timeout: {report['overdue_tasks']}")
     for p in report["problems"]:
-        console.print(f"[bold red]attention:[/] {p}")
+        console.print(f"[bold red]attention:[/] {p}", markup=True, highlight=False)
     if not report["problems"]:
         console.print("[green]all queues served[/]")
 
@@ -157,23 +287,244 @@ def _json_default(value: Any) -> Any:
     return str(value)
 
 
-def register(main: click.Group, settings_options: Callable[..., Any],
-             build_settings: Callable[[dict[str, Any]], Settings],
+async def check_health(settings: Settings, host: str, kind: str,
+                       pid: int | None) -> tuple[bool, str]:
+    """(healthy, one-line reason) for the newest matching process row on ``host``."""
+    db = await _connect_db(settings)
+    try:
+        rows: list[Any] = await db.fetch(HEALTH, host, kind, pid)
+    finally:
+        await db.close()
+    what = "triggerflow process" if kind == "any" else kind
+    if pid is not None:
+        what += f" with pid {pid}"
+    alive = [r for r in rows if r["alive"]]
+    if alive:
+        r = alive[0]
+        return True, f"ok: {r['kind']} {r['id']} (pid {r['pid']}) renewed {r['age']:.1f}s ago"
+    if rows:
+        r = rows[0]
+        return False, (f"stalled: {r['kind']} {r['id']} (pid {r['pid']}) last renewed "
+                       f"{r['age']:.1f}s ago; its lease has expired")
+    return False, f"dead: no live {what} on {host}"
+
+
+# ----------------------------------------------------------------------------- admin actions
+
+
+async def fetch_trigger(settings: Settings, trigger_id: int) -> dict[str, Any] | None:
+    db = await _connect_db(settings)
+    try:
+        row = await db.fetchrow(SHOW_TRIGGER, trigger_id)
+        return dict(row) if row else None
+    finally:
+        await db.close()
+
+
+async def _wake(settings: Settings, rows: list[Any], verb: str) -> None:
+    by_queue: dict[str, list[int]] = defaultdict(list)
+    for r in rows:
+        if r["queue"] is not None:
+            by_queue[r["queue"]].append(r["id"])
+    if by_queue:
+        broker = _broker(settings, f"triggerflow-{verb}")
+        await broker.connect()
+        try:
+            await broker.publish_wakeups(by_queue)
+        finally:
+            await broker.close()
+
+
+async def requeue_triggers(settings: Settings, ids: list[int],
+                           force: bool) -> tuple[list[Any], list[Any]]:
+    """(re-sent rows, rows left with a live owner)."""
+    db = await _connect_db(settings)
+    try:
+        rows = await db.fetch(REQUEUE_IDLE, ids, force)
+        held = [] if force else await db.fetch(LIVE_OWNERS, ids)
+        await _wake(settings, rows, "requeue")
+        return rows, held
+    finally:
+        await db.close()
+
+
+async def unquarantine_triggers(settings: Settings, ids: list[int]) -> list[Any]:
+    db = await _connect_db(settings)
+    try:
+        rows: list[Any] = await db.fetch(UNQUARANTINE_SAFE, ids)
+        await _wake(settings, [r for r in rows if r["resent"]], "unquarantine")
+        return rows
+    finally:
+        await db.close()
+
+
+# ----------------------------------------------------------------------------- queue gauges
+
+
+class QueueGauges:
+    """Exports ``triggerflow.queue.depth`` / ``.consumers`` / ``.subscribers`` per queue.
+
+    A daemon thread with its own event loop, one database connection and one AMQP connection
+    polls every ``interval`` seconds (two statements and a passive declare per queue), so the
+    numbers keep coming while the process's own loop is blocked. A consumer reports its
+    queues; a writer reports every queue (those consumers declare and those with triggers
+    waiting) plus the events queue (``consumers`` there = live writers) and the dead-letter
+    queue. Each process reports the same queues, so aggregate with ``max by (queue)``.
+    """
+
+    def __init__(self, settings: Settings, interval: float | None = None) -> None:
+        from triggerflow import telemetry
+
+        self.settings = settings
+        self.interval = interval or min(5.0, settings.reaper_interval)
+        self.topology = Topology(settings.namespace)
+        self.redact = Redactor(settings)
+        self.snapshot: dict[str, tuple[int | None, int | None, int | None]] = {}
+        self.updated = 0.0  # monotonic time of the last good poll
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="queue-gauges", daemon=True)
+        m = telemetry.get_metrics()
+        m.gauge(telemetry.QUEUE_DEPTH, "Wake-up (or event) messages ready in the broker queue",
+                lambda: self._observe(0))
+        m.gauge(telemetry.QUEUE_CONSUMERS,
+                "Live consumers (by lease) serving the queue; live writers for the events queue",
+                lambda: self._observe(2))
+        m.gauge(telemetry.QUEUE_SUBSCRIBERS,
+                "Consumers the broker delivers the queue to (0 while paused at capacity)",
+                lambda: self._observe(1))
+
+    def start(self) -> QueueGauges:
+        self._thread.start()
+        atexit.register(self.stop)
+        return self
+
+    def stop(self, timeout: float = 2.0) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def _observe(self, index: int) -> list[tuple[float, dict[str, Any]]]:
+        if time.monotonic() - self.updated > 3 * self.interval + 5:
+            return []  # stale: report nothing rather than old numbers
+        out: list[tuple[float, dict[str, Any]]] = []
+        for queue, values in sorted(self.snapshot.items()):
+            value = values[index]
+            if value is not None:
+                out.append((float(value), {"queue": queue}))
+        return out
+
+    def _run(self) -> None:
+        asyncio.run(self._main())
+
+    async def _main(self) -> None:
+        db: Database | None = None
+        broker: Broker | None = None
+        failing = False
+        while not self._stop.is_set():
+            try:
+                if db is None:
+                    db = await _connect_db(self.settings)
+                if broker is None or not broker.is_open:
+                    if broker is not None:
+                        await broker.close()
+                    broker = _broker(self.settings, "triggerflow-queue-gauges")
+                    await broker.connect()
+                self.snapshot = await self.poll(db, broker)
+                self.updated = time.monotonic()
+                failing = False
+            except Exception as exc:
+                if not failing:
+                    log.warning("queue gauges: poll failed (%s); retrying",
+                                self.redact(repr(exc)))
+                failing = True
+                if db is not None:
+                    with contextlib.suppress(Exception):
+                        await db.close()
+                    db = None
+            await asyncio.to_thread(self._stop.wait, self.interval)
+        for closer in (broker.close() if broker else None, db.close() if db else None):
+            if closer is not None:
+                with contextlib.suppress(Exception):
+                    await closer
+
+    async def poll(
+        self, db: Database, broker: Broker
+    ) -> dict[str, tuple[int | None, int | None, int | None]]:
+        """{queue: (depth, subscribers, live consumers)}; None where the broker has no queue."""
+        queues = list(self.settings.queues)
+        serves_all = not queues
+        if serves_all:
+            scope: list[Any] = await db.fetch(ALL_QUEUES)
+            queues = [r["queue"] for r in scope]
+        counts: list[Any] = await db.fetch(QUEUE_CONSUMERS, queues)
+        live = {r["q"]: int(r["consumers"]) for r in counts}
+        snapshot: dict[str, tuple[int | None, int | None, int | None]] = {}
+        for queue in queues:
+            info = await broker.queue_info(queue)
+            snapshot[queue] = (info[0] if info else None, info[1] if info else None,
+                               live.get(queue, 0))
+        if serves_all:
+            writers = int(await db.fetchval(LIVE_WRITERS))
+            for queue, consumers in ((self.topology.events_queue, writers),
+                                     (self.topology.dead_queue, None)):
+                found = await broker.queue_info(queue)
+                snapshot[queue] = (found[0] if found else None, found[1] if found else None,
+                                   consumers)
+        return snapshot
+
+
+_queue_gauges: QueueGauges | None = None
+
+
+def start_queue_gauges(settings: Settings, *, all_queues: bool = False) -> QueueGauges:
+    """Start the per-queue gauges of this process (once; later calls return the first).
+
+    A consumer reports ``settings.queues``; a writer (``all_queues``) reports every queue.
+    """
+    global _queue_gauges
+    if _queue_gauges is None:
+        if all_queues:
+            settings = settings.model_copy(update={"queues": []})
+        _queue_gauges = QueueGauges(settings).start()
+    return _queue_gauges
+
+
+# ----------------------------------------------------------------------------- commands
+
+
+Command = Callable[..., None]
+Options = Callable[..., Callable[[Command], Command]]
+Build = Callable[[dict[str, Any]], Settings]
+
+
+def register(main: click.Group, settings_options: Options, build_settings: Build,
              connection: tuple[str, ...]) -> None:
+    """Add the operator commands to ``main`` (cli.py passes its option and settings helpers)."""
+    _register_probes(main, settings_options, build_settings, connection)
+    _register_admin(main, settings_options, build_settings, connection)
+    _register_tools(main, settings_options, build_settings, connection)
+
+
+def _register_probes(main: click.Group, settings_options: Options, build_settings: Build,
+                     connection: tuple[str, ...]) -> None:
     @main.command()
     @settings_options(*connection, "queues")
     @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
     def status(as_json: bool, **values: Any) -> None:
-        """Queues, consumers, overdue and quarantined triggers. Exit 3 when something needs
-        attention (a queue with no consumer, dead owners, quarantined triggers)."""
+        """Queues (depth, consumers, running), processes, overdue and quarantined triggers.
+
+        Exit 3 when something needs attention: a queue with triggers (or named by --queue)
+        and no live consumer, triggers held by dead owners, quarantined triggers, deferred
+        tasks past their timeout, or an unreachable broker."""
         settings = build_settings(values)
+        redact = Redactor(settings)
         try:
             report = asyncio.run(collect_status(settings))
         except Exception as exc:
-            click.echo(f"error: {exc}", err=True)
+            click.echo(redact(f"error: {exc}"), err=True)
             sys.exit(1)
         if as_json:
-            click.echo(json.dumps(report, default=_json_default, indent=2))
+            click.echo(redact(json.dumps(report, default=_json_default, indent=2)))
         else:
             _render_status(report)
         sys.exit(EXIT_ATTENTION if report["problems"] else 0)
@@ -184,38 +535,20 @@ def register(main: click.Group, settings_options: Callable[..., Any],
                   show_default=True, help="Which process must be alive on this host.")
     @click.option("--pid", type=int, default=None, help="Only the process with this pid.")
     def health(kind: str, pid: int | None, **values: Any) -> None:
-        """Liveness probe: exit 0 when this host's consumer/writer is alive and renewing."""
+        """Liveness probe: exit 0 when this host's consumer/writer is alive and renewing its
+        lease, 1 otherwise (stalled: lease expired; dead: no process), with a one-line reason."""
         settings = build_settings(values)
-        host = socket.gethostname()
-
-        async def go() -> tuple[bool, str]:
-            db = await Database.connect(settings.database_dsn(), max_size=1,
-                                        pgbouncer=settings.pgbouncer)
-            try:
-                rows = await db.fetch(
-                    "SELECT id, kind, pid, expires_at > now() AS alive, "
-                    "extract(epoch FROM now() - renewed_at) AS age FROM consumer "
-                    "WHERE host = $1 AND ($2 = 'any' OR kind = $2) AND ($3::int IS NULL OR pid = $3)"
-                    " ORDER BY renewed_at DESC", host, kind, pid)
-            finally:
-                await db.close()
-            alive = [r for r in rows if r["alive"]]
-            if alive:
-                r = alive[0]
-                return True, f"ok: {r['kind']} {r['id']} (pid {r['pid']}) renewed {r['age']:.1f}s ago"
-            if rows:
-                r = rows[0]
-                return False, (f"stalled: {r['kind']} {r['id']} (pid {r['pid']}) last renewed "
-                               f"{r['age']:.1f}s ago")
-            return False, f"dead: no {kind if kind != 'any' else 'triggerflow'} process on {host}"
-
         try:
-            ok, line = asyncio.run(asyncio.wait_for(go(), timeout=10))
+            ok, line = asyncio.run(asyncio.wait_for(
+                check_health(settings, socket.gethostname(), kind, pid), timeout=10))
         except Exception as exc:
-            ok, line = False, f"unhealthy: {type(exc).__name__}: {exc}"
-        click.echo(line)
+            ok, line = False, f"unhealthy: cannot check ({type(exc).__name__}: {exc})"
+        click.echo(Redactor(settings)(line))
         sys.exit(0 if ok else 1)
 
+
+def _register_admin(main: click.Group, settings_options: Options, build_settings: Build,
+                    connection: tuple[str, ...]) -> None:
     @main.group()
     def trigger() -> None:
         """Inspect triggers."""
@@ -223,69 +556,73 @@ def register(main: click.Group, settings_options: Callable[..., Any],
     @trigger.command("show")
     @settings_options(*connection)
     @click.argument("trigger_id", type=int)
-    def trigger_show(trigger_id: int, **values: Any) -> None:
-        """Row, owner, attempts and last error of one trigger."""
+    @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+    def trigger_show(trigger_id: int, as_json: bool, **values: Any) -> None:
+        """Row, owner, attempts and last error of one trigger (exit 1 when there is none)."""
         settings = build_settings(values)
+        redact = Redactor(settings)
 
-        async def go() -> dict[str, Any] | None:
-            db = await Database.connect(settings.database_dsn(), max_size=1)
-            try:
-                row = await db.fetchrow(SHOW_TRIGGER, trigger_id)
-                return dict(row) if row else None
-            finally:
-                await db.close()
-
-        row = asyncio.run(go())
+        try:
+            row = asyncio.run(fetch_trigger(settings, trigger_id))
+        except Exception as exc:
+            click.echo(redact(f"error: {exc}"), err=True)
+            sys.exit(1)
         if row is None:
             click.echo(f"no trigger {trigger_id} (finished, cancelled or never created)", err=True)
             sys.exit(1)
+        if as_json:
+            click.echo(redact(json.dumps(row, default=_json_default, indent=2)))
+            return
         width = max(len(k) for k in row)
         for key, value in row.items():
-            click.echo(f"{key:<{width}}  {_json_default(value) if value is not None else '-'}")
+            text = "-" if value is None else _json_default(value)
+            click.echo(redact(f"{key:<{width}}  {text}"))
 
-    def _resend_command(sql: str, verb: str) -> Callable[..., None]:
-        def command(trigger_ids: tuple[int, ...], **values: Any) -> None:
-            settings = build_settings(values)
+    @main.command()
+    @settings_options(*connection)
+    @click.argument("trigger_ids", nargs=-1, type=int, required=True)
+    @click.option("--force", is_flag=True,
+                  help="Also take triggers from the live consumer running them (its copy is "
+                       "fenced: its event is ignored).")
+    def requeue(trigger_ids: tuple[int, ...], force: bool, **values: Any) -> None:
+        """Re-send triggers no live consumer runs (unclaimed, refused by every consumer, or
+        owned by a dead one) to their queue. Idempotent: a trigger a live consumer has
+        claimed is left alone. Quarantined triggers need unquarantine."""
+        settings = build_settings(values)
+        ids = sorted(set(trigger_ids))
 
-            async def go() -> int:
-                db = await Database.connect(settings.database_dsn(), max_size=1)
-                try:
-                    rows = await db.fetch(sql, list(trigger_ids))
-                    by_queue: dict[str, list[int]] = defaultdict(list)
-                    for r in rows:
-                        by_queue[r["queue"]].append(r["id"])
-                    if by_queue:
-                        broker = Broker(settings.amqp_dsn(), Topology(settings.namespace),
-                                        name=f"triggerflow-{verb}")
-                        await broker.connect()
-                        try:
-                            await broker.publish_wakeups(by_queue)
-                        finally:
-                            await broker.close()
-                    return len(rows)
-                finally:
-                    await db.close()
+        try:
+            rows, held = asyncio.run(requeue_triggers(settings, ids, force))
+        except Exception as exc:
+            click.echo(Redactor(settings)(f"error: {exc}"), err=True)
+            sys.exit(1)
+        click.echo(f"requeued {len(rows)} trigger(s); {len(ids) - len(rows)} needed nothing")
+        for r in held:
+            click.echo(f"  trigger {r['id']} runs on live consumer {r['owner_id']} "
+                       f"({r['host']} pid {r['pid']}); --force takes it from there")
 
-            try:
-                n = asyncio.run(go())
-            except Exception as exc:
-                click.echo(f"error: {exc}", err=True)
-                sys.exit(1)
-            click.echo(f"{verb}d {n} trigger(s); {len(trigger_ids) - n} needed nothing")
+    @main.command()
+    @settings_options(*connection)
+    @click.argument("trigger_ids", nargs=-1, type=int, required=True)
+    def unquarantine(trigger_ids: tuple[int, ...], **values: Any) -> None:
+        """Clear a quarantine: defer again the task it failed and re-send the trigger (or drop
+        the trigger when that task has moved on). Idempotent."""
+        settings = build_settings(values)
+        ids = sorted(set(trigger_ids))
 
-        return command
+        try:
+            rows = asyncio.run(unquarantine_triggers(settings, ids))
+        except Exception as exc:
+            click.echo(Redactor(settings)(f"error: {exc}"), err=True)
+            sys.exit(1)
+        resent = sum(1 for r in rows if r["resent"])
+        dropped = len(rows) - resent
+        click.echo(f"unquarantined {resent} trigger(s); dropped {dropped} whose task had moved "
+                   f"on; {len(ids) - len(rows)} needed nothing")
 
-    requeue_cmd = _resend_command(REQUEUE, "requeue")
-    requeue_cmd.__doc__ = ("Release triggers from their owner and re-send them to their queue "
-                           "(idempotent; quarantined ones need unquarantine).")
-    main.command("requeue")(click.argument("trigger_ids", nargs=-1, type=int, required=True)(
-        settings_options(*connection)(requeue_cmd)))
-    unq_cmd = _resend_command(UNQUARANTINE, "unquarantine")
-    unq_cmd.__doc__ = ("Clear a quarantine: re-defer the task it failed and re-send the trigger "
-                       "(idempotent).")
-    main.command("unquarantine")(click.argument("trigger_ids", nargs=-1, type=int, required=True)(
-        settings_options(*connection)(unq_cmd)))
 
+def _register_tools(main: click.Group, settings_options: Options, build_settings: Build,
+                    connection: tuple[str, ...]) -> None:
     @main.command()
     @click.option("--tasks", type=int, default=24, show_default=True,
                   help="Timer tasks per team (plus one task of each other kind).")
@@ -324,5 +661,3 @@ def register(main: click.Group, settings_options: Callable[..., Any],
         else:
             with open(output, "w") as fh:
                 fh.write(text)
-
-    _ = os  # (kept for future per-process health files)

@@ -16,6 +16,7 @@ import os
 import socket
 import time
 from collections import defaultdict
+from collections.abc import Coroutine
 from typing import Any
 
 from aio_pika.abc import AbstractIncomingMessage
@@ -103,7 +104,8 @@ class EventSink:
 
     async def _publish(self, queue: str, events: list[Event]) -> None:
         try:
-            await self.broker.publish(self.broker.topology.events, queue, encode_events(events))
+            await self.broker.publish(self.broker.topology.events, queue, encode_events(events),
+                                      user_id=self.broker.user)
         except Exception as exc:  # keep the events; they go out after the reconnect
             log.warning("publishing %d events failed (%r); will retry", len(events), exc)
             self._buffer[:0] = events
@@ -172,6 +174,8 @@ class Consumer:
         self._suspects = asyncio.Event()
         self._probation: list[int] = []
         self._reap_now = asyncio.Event()
+        self._claim_lock = asyncio.Lock()
+        self._background: set[asyncio.Task[Any]] = set()  # strong refs until done
         self._connected = asyncio.Event()
         self._tasks: list[asyncio.Task[Any]] = []
         self._stopping = False
@@ -207,6 +211,11 @@ class Consumer:
         self._stopping = True
         log.info("stopping: releasing %d triggers", len(self.runner))
         await self._unsubscribe_all()
+        # A claim statement cancelled mid-flight may still commit after the release below and
+        # strand its triggers on our dead row; let the one in flight finish instead.
+        await self._claim_lock.acquire()
+        if self._background:  # hand-overs and rebalancing in flight publish their wake-ups
+            await asyncio.wait(list(self._background), timeout=5)
         for task in self._tasks:
             if task.get_name() not in ("broker",):
                 task.cancel()
@@ -227,6 +236,16 @@ class Consumer:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.broker.close()
+
+    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background_done)
+
+    def _background_done(self, task: asyncio.Task[Any]) -> None:
+        self._background.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("background task failed", exc_info=task.exception())
 
     async def _register(self) -> None:
         while True:
@@ -333,12 +352,12 @@ class Consumer:
         if not self._paused and held >= self.settings.capacity:
             self._paused = True
             log.info("at capacity (%d); pausing subscriptions", held)
-            asyncio.get_running_loop().create_task(self._unsubscribe_all())
+            self._spawn(self._unsubscribe_all())
         elif self._paused and held < self.settings.capacity * 0.9:
             self._paused = False
             log.info("room again (%d held); resuming subscriptions", held)
             if self.broker.is_open:
-                asyncio.get_running_loop().create_task(self._subscribe_all())
+                self._spawn(self._subscribe_all())
 
     async def _on_delivery(self, message: AbstractIncomingMessage) -> None:
         try:
@@ -392,7 +411,10 @@ class Consumer:
                 batch.append(item)
                 n += len(item[0])
             try:
-                await self._claim(batch)
+                async with self._claim_lock:
+                    if self._stopping:
+                        return  # unacked: returned to the queue when the channel closes
+                    await self._claim(batch)
             except asyncio.CancelledError:
                 raise
             except Exception:
@@ -442,7 +464,7 @@ class Consumer:
         try:
             trigger = self.loader.build(row["classpath"], row["kwargs"])
         except Unloadable as exc:
-            asyncio.get_running_loop().create_task(self._hand_over_unloadable(held, str(exc)))
+            self._spawn(self._hand_over_unloadable(held, str(exc)))
             return
         except (Disallowed, BadKwargs) as exc:
             reason = (FailureReason.TRIGGER_DISALLOWED if isinstance(exc, Disallowed)
@@ -568,7 +590,8 @@ class Consumer:
 
     def _maybe_rebalance(self, live_peers: int, peers_running: int) -> None:
         """After a rolling restart, shed what is over our fair share so peers fill up."""
-        if live_peers < 2 or self._stopping:
+        if live_peers < 2 or self._stopping or any(
+                getattr(t.get_coro(), "__name__", "") == "_shed" for t in self._background):
             return
         mine = len(self.runner)
         fair = peers_running / live_peers
@@ -576,9 +599,11 @@ class Consumer:
         if mine > fair * 1.25 and excess >= 20:
             excess = min(excess, self.settings.reclaim_rate)
             ids = list(self.runner.running)[-excess:]
-            asyncio.get_running_loop().create_task(self._shed(ids))
+            self._spawn(self._shed(ids))
 
     async def _shed(self, ids: list[int]) -> None:
+        if self._stopping:
+            return
         stopped = self.runner.cancel(ids)
         rows = await self.db.fetch(RELEASE, self.me, [h.id for h in stopped], False, None)
         await self._republish(rows)
@@ -625,9 +650,10 @@ class Consumer:
         while True:
             await self._suspects.wait()
             try:
-                rows = await self.db.fetch(
-                    CLAIM_PROBATION, self.me, self.queues, self.settings.probation_size
-                )
+                async with self._claim_lock:
+                    if self._stopping:
+                        return
+                    rows = await self.db.fetch(CLAIM_PROBATION, self.me, self.queues)
             except (OSError, *_db_errors()):
                 await asyncio.sleep(1)
                 continue

@@ -16,6 +16,10 @@ from triggerflow.wire import decode_json, encode_json
 ENCRYPTED_PREFIX = "fernet:"
 
 
+class MissingKey(ValueError):
+    """Encrypted kwargs and no key here: another consumer of the queue may have it."""
+
+
 class KwargsCodec:
     """JSON text, or ``fernet:<token>`` when a key is set. Reads both, so a key can be added."""
 
@@ -35,7 +39,7 @@ class KwargsCodec:
     def decode(self, stored: str) -> dict[str, Any]:
         if stored.startswith(ENCRYPTED_PREFIX):
             if self._fernet is None:
-                raise ValueError("kwargs are encrypted but no kwargs_key is configured")
+                raise MissingKey("kwargs are encrypted but this process has no kwargs_key")
             stored = self._fernet.decrypt(stored[len(ENCRYPTED_PREFIX):].encode()).decode()
         value = decode_json(stored)
         if not isinstance(value, dict):
@@ -85,5 +89,7 @@ class TriggerLoader:
         cls = self.resolve(classpath)
         try:
             return cls(**self.codec.decode(stored_kwargs))
+        except MissingKey as exc:
+            raise Unloadable(f"cannot decrypt kwargs of {classpath}: {exc}") from exc
         except Exception as exc:
             raise BadKwargs(f"kwargs do not build {classpath}: {exc!r}") from exc

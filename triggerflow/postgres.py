@@ -169,20 +169,22 @@ UNION ALL
 SELECT id, 0, '', '', '', failures, NULL, NULL, NULL, false FROM candidate WHERE failures >= 2
 """
 
-# The most suspected unclaimed triggers of my queues, in a group that halves with every
-# further ungraceful loss, claimed together and recorded on my row: if I die now, only they
-# are blamed. A killer among N triggers is thus alone after about log2(probation_size) deaths.
+# Bisection of suspects: take half of the unclaimed triggers at the highest suspicion level
+# (at least one), claim them together and record them on my row: if I die now, only they are
+# blamed and climb a level; if they survive probation they are cleared. A killer among N
+# triggers is alone after about log2(N) deaths, and N innocents clear in two probations.
 CLAIM_PROBATION = f"""
 WITH worst AS (
-    SELECT max(failures) AS f FROM trigger
+    SELECT failures AS f, count(*) AS n FROM trigger
     WHERE queue = ANY($2::text[]) AND owner_id IS NULL AND quarantined_at IS NULL
       AND failures >= 2
+    GROUP BY failures ORDER BY failures DESC LIMIT 1
 ), candidate AS (
     SELECT t.id FROM trigger t, worst
     WHERE t.queue = ANY($2::text[]) AND t.owner_id IS NULL AND t.quarantined_at IS NULL
       AND t.failures = worst.f AND NOT ($1 = ANY(t.rejected_by))
     ORDER BY t.id
-    LIMIT (SELECT greatest(1, $3::int >> least(worst.f - 2, 30)) FROM worst)
+    LIMIT (SELECT greatest(1, (n + 1) / 2) FROM worst)
     FOR UPDATE OF t SKIP LOCKED
 ), claimed AS (
     UPDATE trigger t SET owner_id = $1, attempt = t.attempt + 1, claimed_at = now()

@@ -14,6 +14,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import unquote, urlsplit
 
 import aio_pika
 import aiormq
@@ -42,6 +43,10 @@ CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
 
 class UnroutableError(RuntimeError):
     """The broker could not route a mandatory publish: no queue is bound for its key."""
+
+
+class RefusedError(RuntimeError):
+    """The broker refused a publish for this user (topic or write permission)."""
 
 
 @dataclass(frozen=True)
@@ -105,6 +110,9 @@ class Broker:
         self.channel: AbstractChannel | None = None
         self._exchanges: dict[str, AbstractExchange] = {}
         self.closed = asyncio.Event()
+        # The AMQP user, stamped as ``user_id`` on events: RabbitMQ rejects a user_id that is
+        # not the connection's, so the writer can trust it to name the publishing team.
+        self.user = unquote(urlsplit(url).username or "guest")
 
     async def connect(self) -> None:
         self.closed.clear()
@@ -213,6 +221,10 @@ class Broker:
         except aio_pika.exceptions.PublishError as exc:
             raise UnroutableError(
                 f"{exchange!r} could not route key {routing_key!r}: no queue is bound to it"
+            ) from exc
+        except aiormq.exceptions.ChannelAccessRefused as exc:
+            raise RefusedError(
+                f"broker refused publishing to {exchange!r} with key {routing_key!r}: {exc}"
             ) from exc
 
     # -- consuming -----------------------------------------------------------------------

@@ -23,7 +23,13 @@ from typing import Any, TypeVar
 from triggerflow.loader import KwargsCodec
 from triggerflow.model import TaskKey, is_allowed
 from triggerflow.postgres import CANCEL, DEFER, UNDO_DEFER, Database
-from triggerflow.rabbitmq import CONNECTION_ERRORS, Broker, Topology, UnroutableError
+from triggerflow.rabbitmq import (
+    CONNECTION_ERRORS,
+    Broker,
+    RefusedError,
+    Topology,
+    UnroutableError,
+)
 from triggerflow.settings import Settings
 from triggerflow.telemetry import current_traceparent, tracer
 from triggerflow.triggers.base import BaseTrigger
@@ -52,9 +58,14 @@ class Deferral:
 _clients: weakref.WeakSet[TriggerflowClient] = weakref.WeakSet()
 
 
+_sync_clients: weakref.WeakSet[SyncClient] = weakref.WeakSet()
+
+
 def _after_fork_in_child() -> None:
     for client in list(_clients):
         client._forget_connections()
+    for sync in list(_sync_clients):
+        sync._start()  # the parent's loop thread does not exist in the child
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
@@ -150,9 +161,12 @@ class TriggerflowClient:
                 by_queue[d.queue].append(trigger_id)
             try:
                 await broker.publish_wakeups(by_queue, traceparent=traceparent)
-            except UnroutableError as exc:
-                await db.execute(UNDO_DEFER, ids, f"deferral not routable: {exc}")
+            except (UnroutableError, RefusedError) as exc:
+                # Not a lost publish but a refused one: undo, so the error is the whole truth.
+                await db.execute(UNDO_DEFER, ids, f"deferral not published: {exc}")
                 self._routable.clear()
+                if isinstance(exc, RefusedError):
+                    self._broker = None  # the broker closed the channel
                 raise
             except CONNECTION_ERRORS as exc:
                 # Durable already: the reaper re-sends unclaimed triggers after its grace.
@@ -231,7 +245,7 @@ class SyncClient:
         self._settings = settings
         self._max = max_connections
         self._start()
-        os.register_at_fork(after_in_child=self._start)
+        _sync_clients.add(self)
 
     def _start(self) -> None:
         self._loop = asyncio.new_event_loop()

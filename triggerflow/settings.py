@@ -44,14 +44,11 @@ class Settings(BaseSettings):
     reclaim_rate: int = Field(
         20_000, ge=1, description="Max triggers a reaper re-sends per second (reclaim storms)."
     )
-    probation_size: int = Field(
-        256, ge=1, description="Largest group of suspect triggers started together on probation."
-    )
     probation_seconds: float = Field(
         1.0, gt=0, description="How long a suspect group must run before it is cleared."
     )
     max_failures: int = Field(
-        10, ge=1, description="Ungraceful losses after which a trigger is quarantined."
+        30, ge=2, description="Ungraceful losses after which a trigger is quarantined."
     )
     blocked_threshold: float = Field(
         0.2, gt=0, description="Seconds the loop may stay busy before the culprit is named."

@@ -5,6 +5,12 @@ and optionally over OTLP. Names follow Airflow's triggerer where the meaning is 
 (``triggers.running``, ``triggers.blocked_main_thread``, ``capacity_left``...) under a
 ``triggerflow.`` prefix. Traces carry W3C ``traceparent`` through AMQP headers and the
 trigger row; a waiting trigger holds only that string, never an open span.
+
+Order does not matter: ``meter`` and ``tracer`` are the API's proxies, so instruments made
+before ``setup()`` (a module that calls ``get_metrics()`` at import) are bound to the real
+providers when ``setup()`` installs them; only measurements taken before that are dropped.
+On the Prometheus endpoint a dot becomes ``_``, counters gain ``_total`` and histograms in
+seconds ``_seconds`` (``triggerflow.event.latency`` -> ``triggerflow_event_latency_seconds``).
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from typing import Any
 from opentelemetry import metrics, trace
 from opentelemetry.context import Context
 from opentelemetry.metrics import CallbackOptions, Observation
+from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 log = logging.getLogger(__name__)
@@ -26,7 +33,17 @@ _propagator = TraceContextTextMapPropagator()
 tracer = trace.get_tracer("triggerflow")
 meter = metrics.get_meter("triggerflow")
 
+# Observable gauges registered by components (names here so every one is defined once).
+RUNNING = "triggerflow.triggers.running"
+CAPACITY_LEFT = "triggerflow.capacity_left"
+QUEUE_DEPTH = "triggerflow.queue.depth"
+QUEUE_CONSUMERS = "triggerflow.queue.consumers"
+QUEUE_SUBSCRIBERS = "triggerflow.queue.subscribers"
+
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+
+
+Observe = Callable[[], Iterable[tuple[float, dict[str, Any]]]]
 
 
 class Metrics:
@@ -34,8 +51,14 @@ class Metrics:
 
     def __init__(self) -> None:
         m = meter
-        self.claimed = m.create_counter("triggerflow.triggers.claimed", description="Triggers claimed")
-        self.started = m.create_counter("triggerflow.triggers.started", description="Triggers started")
+        self._gauges: dict[str, Observe] = {}
+        self._gauge_lock = threading.Lock()
+        self.claimed = m.create_counter(
+            "triggerflow.triggers.claimed", description="Triggers claimed"
+        )
+        self.started = m.create_counter(
+            "triggerflow.triggers.started", description="Triggers started"
+        )
         self.emitted = m.create_counter(
             "triggerflow.events.emitted", description="Events published by kind"
         )
@@ -100,12 +123,19 @@ class Metrics:
             description="Reaper sweeps that found a queue with no live consumer",
         )
 
-    def gauge(
-        self, name: str, description: str, observe: Callable[[], Iterable[tuple[float, dict[str, Any]]]]
-    ) -> None:
+    def gauge(self, name: str, description: str, observe: Observe) -> None:
+        """Observe ``name`` through ``observe`` (called on each collection, in the exporter's
+        thread). Registering a name again replaces its source: an instrument is created once
+        per process, as the SDK would ignore a second one with the same name."""
+        with self._gauge_lock:
+            known = name in self._gauges
+            self._gauges[name] = observe
+        if known:
+            return
+
         def callback(_options: CallbackOptions) -> Iterable[Observation]:
             try:
-                return [Observation(value, attrs) for value, attrs in observe()]
+                return [Observation(value, attrs) for value, attrs in self._gauges[name]()]
             except Exception:  # a gauge must never break a scrape
                 log.exception("gauge %s failed", name)
                 return []
@@ -133,8 +163,12 @@ def setup(
     *, service: str, metrics_port: int = 0, otlp_endpoint: str | None = None,
     trace_file: str | None = None,
 ) -> None:
-    """Install meter and tracer providers once per process (idempotent)."""
-    global _configured, _metrics
+    """Install meter and tracer providers once per process (idempotent: later calls return).
+
+    Instruments already made through ``get_metrics()`` keep working: they were created on
+    the API's proxy meter, which binds them to the provider installed here.
+    """
+    global _configured
     with _setup_lock:
         if _configured:
             return
@@ -149,25 +183,29 @@ def setup(
     readers: list[MetricReader] = []
     if metrics_port:
         from opentelemetry.exporter.prometheus import PrometheusMetricReader
-        from prometheus_client import start_http_server
 
-        start_http_server(metrics_port)
         readers.append(PrometheusMetricReader())
     if otlp_endpoint:
         readers.append(_otlp_metric_reader(otlp_endpoint))
     if readers:
         metrics.set_meter_provider(MeterProvider(resource=resource, metric_readers=readers))
-        _metrics = None  # instruments must be created on the real provider
+    if metrics_port:
+        from prometheus_client import start_http_server
+
+        try:
+            start_http_server(metrics_port)
+        except OSError as exc:
+            raise RuntimeError(f"cannot serve metrics on port {metrics_port}: {exc}") from exc
     if trace_file or otlp_endpoint:
         provider = TracerProvider(resource=resource)
         if trace_file:
-            provider.add_span_processor(BatchSpanProcessor(JsonLinesSpanExporter(trace_file)))
+            # A local file is cheap to write: flush often so a trace is readable within a second.
+            provider.add_span_processor(
+                BatchSpanProcessor(JsonLinesSpanExporter(trace_file), schedule_delay_millis=500)
+            )
         if otlp_endpoint:
             provider.add_span_processor(BatchSpanProcessor(_otlp_span_exporter(otlp_endpoint)))
         trace.set_tracer_provider(provider)
-    global tracer, meter
-    tracer = trace.get_tracer("triggerflow")
-    meter = metrics.get_meter("triggerflow")
 
 
 def _otlp_metric_reader(endpoint: str) -> Any:
@@ -216,16 +254,14 @@ def context_from(traceparent: str | None) -> Context | None:
     return _propagator.extract({"traceparent": traceparent})
 
 
-class JsonLinesSpanExporter:
+class JsonLinesSpanExporter(SpanExporter):
     """Appends finished spans to a file, one JSON object a line (no collector needed)."""
 
     def __init__(self, path: str) -> None:
         self.path = path
         self._lock = threading.Lock()
 
-    def export(self, spans: Sequence[Any]) -> Any:
-        from opentelemetry.sdk.trace.export import SpanExportResult
-
+    def export(self, spans: Sequence[Any]) -> SpanExportResult:
         lines = []
         for span in spans:
             ctx = span.get_span_context()

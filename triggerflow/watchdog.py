@@ -53,9 +53,11 @@ class LoopWatchdog:
         self.blocked_since: float | None = None
 
     def start(self) -> None:
+        """Start watching the running loop (call from inside it)."""
         self._loop_thread = threading.get_ident()
         self._loop = asyncio.get_running_loop()
-        self._tick()
+        self._last_tick = time.monotonic()  # set-up time before start() is not lag
+        self._handle = self._loop.call_later(self.interval, self._tick)
         self._thread.start()
 
     def stop(self) -> None:
@@ -66,7 +68,7 @@ class LoopWatchdog:
     def _tick(self) -> None:
         now = time.monotonic()
         lag = now - self._last_tick - self.interval
-        if self.on_lag is not None and self._last_tick:
+        if self.on_lag is not None:
             self.on_lag(max(0.0, lag))
         self._last_tick = now
         self.blocked_since = None

@@ -26,7 +26,9 @@ from triggerflow.rabbitmq import Broker
 from triggerflow.reaper import Reaper
 from triggerflow.settings import Settings
 from triggerflow.telemetry import context_from, get_metrics, tracer, tracing_enabled
-from triggerflow.wire import Event, WireError, decode_events, encode_events
+from triggerflow.model import EventKind, FailureReason
+from triggerflow.runner import failure
+from triggerflow.wire import Event, WireError, decode_events, encode_events, encode_json
 
 log = logging.getLogger(__name__)
 
@@ -229,7 +231,15 @@ class Writer:
                 ev = events[0]
                 await self._dead_letter(encode_events(events),
                                         f"database refused event: {exc}", ev.queue)
-                return 0
+                if ev.kind == EventKind.FAIL:
+                    return 0
+                # Its trigger has fired and is forgotten: fail the task readably instead of
+                # leaving it deferred forever.
+                return await self._apply([Event(
+                    ev.trigger_id, ev.attempt, ev.queue, EventKind.FAIL,
+                    encode_json(failure(FailureReason.TRIGGER_FAILURE,
+                                        f"event dead-lettered: database refused it ({exc})")),
+                    ev.fired_at, ev.traceparent)])
             mid = len(events) // 2
             return await self._apply(events[:mid]) + await self._apply(events[mid:])
         self._record(rows, events)

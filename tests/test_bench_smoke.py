@@ -1,0 +1,58 @@
+"""`triggerflow bench` runs end to end with tiny sizes (the benchmark itself is not a test).
+
+Gives the bench a database and namespace of its own (it derives ``<db>_bench`` and
+``<namespace>-bench`` from them) and drops the database afterwards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import asyncpg
+
+from tests.conftest import AMQP, PG, ROOT
+
+
+def _drop(database: str) -> None:
+    async def go() -> None:
+        conn = await asyncpg.connect(f"{PG}/postgres")
+        try:
+            await conn.execute(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
+        finally:
+            await conn.close()
+
+    asyncio.run(go())
+
+
+def test_bench_quick_prints_tables(tmp_path: Path) -> None:
+    tag = uuid.uuid4().hex[:10]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRIGGERFLOW_")}
+    env.update({
+        "TRIGGERFLOW_DATABASE_URL": f"{PG}/tf_smoke_{tag}",
+        "TRIGGERFLOW_AMQP_URL": AMQP,
+        "TRIGGERFLOW_NAMESPACE": f"tfs{tag}",
+        "PYTHONPATH": str(ROOT),
+        "COLUMNS": "160",
+    })
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "triggerflow", "bench", "burst", "defer", "--quick"],
+            env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120,
+        )
+    finally:
+        _drop(f"tf_smoke_{tag}_bench")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    for title in ("Burst: N DateTimeTriggers", "Deferral through the SDK", "Summary"):
+        assert title in out, out[-4000:]
+    results = list((tmp_path / "bench-results").glob("bench-*-quick.json"))
+    assert len(results) == 1
+    data = json.loads(results[0].read_text())
+    assert data["burst"]["sizes"]["200"]["runs"][0]["applied"] == 200
+    assert data["defer"]["single"]["n"] > 0
