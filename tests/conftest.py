@@ -4,6 +4,7 @@ test (so tests never see each other's rows or queues), and real CLI processes.""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -202,10 +203,8 @@ class Processes:
                 p.send_signal(signal.SIGCONT)
                 p.kill()
         for p in self.procs:
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                pass
 
 
 @pytest.fixture

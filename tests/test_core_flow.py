@@ -12,7 +12,7 @@ from datetime import UTC, datetime, timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from tests.conftest import ROOT, Processes, settings_env, states, wait_until
+from tests.conftest import ROOT, Processes, settings_env, wait_until
 from tests.triggers import EventAfter, Raises, WaitsForever
 from triggerflow.model import TaskKey
 from triggerflow.postgres import Database
@@ -192,7 +192,7 @@ async def test_cli_defer_1000_all_resolved(
 
 
 class SlowHandler(BaseHTTPRequestHandler):
-    def do_GET(self) -> None:  # noqa: N802
+    def do_GET(self) -> None:
         time.sleep(5)
         self.send_response(200)
         self.end_headers()

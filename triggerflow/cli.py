@@ -7,7 +7,6 @@ shown in ``--help``. Exit codes: 0 ok, 1 failure, 2 usage error, 3 status needs 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import signal
 import sys

@@ -28,6 +28,7 @@ from triggerflow.postgres import (
     CLAIM,
     CLAIM_PROBATION,
     CLEAR_PROBATION,
+    DB_ERRORS,
     OTHER_LOADERS,
     RELEASE,
     SWEEP_CANCELLED,
@@ -255,7 +256,7 @@ class Consumer:
                     __version__, self.settings.lease_ttl,
                 )
                 break
-            except (OSError, *_db_errors()) as exc:
+            except DB_ERRORS as exc:
                 log.warning("cannot register (%r); retrying", exc)
                 await asyncio.sleep(1)
         self._lease_deadline = asyncio.get_running_loop().time() + self._lease_budget()
@@ -564,7 +565,7 @@ class Consumer:
             except (LeaseLost, TimeoutError) as exc:
                 await self._fence(str(exc) or "renewal timed out")
                 continue
-            except (OSError, *_db_errors()) as exc:
+            except DB_ERRORS as exc:
                 log.warning("lease renewal failed: %r", exc)
                 continue
             self._lease_deadline = loop.time() + self._lease_budget()
@@ -640,7 +641,7 @@ class Consumer:
                 continue
             try:
                 rows = await self.db.fetch(SWEEP_CANCELLED, self.me)
-            except (OSError, *_db_errors()):
+            except DB_ERRORS:
                 continue
             if rows:
                 await self.cancel([r["id"] for r in rows], cause="sweep")
@@ -654,7 +655,7 @@ class Consumer:
                     if self._stopping:
                         return
                     rows = await self.db.fetch(CLAIM_PROBATION, self.me, self.queues)
-            except (OSError, *_db_errors()):
+            except DB_ERRORS:
                 await asyncio.sleep(1)
                 continue
             if not rows:
@@ -694,8 +695,3 @@ class Consumer:
         m.gauge("triggerflow.capacity_left", "Triggers this consumer can still take",
                 lambda: [(float(self.settings.capacity - len(self.runner)), {})])
 
-
-def _db_errors() -> tuple[type[BaseException], ...]:
-    import asyncpg
-
-    return (asyncpg.PostgresError, asyncpg.InterfaceError, asyncpg.exceptions.ConnectionDoesNotExistError)

@@ -36,7 +36,7 @@ from triggerflow.triggers import FileTrigger
 TEAMS = ("team-ml", "team-data-eng")
 FINAL = ("success", "failed", "skipped")
 
-SUMMARY = """
+SUMMARY = r"""
 SELECT dag_id AS team,
        CASE WHEN task_id LIKE 'wait\_%' THEN 'wait_* (timers)' ELSE task_id END AS task,
        state, count(*) AS n,

@@ -9,6 +9,7 @@ instances by calling their ``next_method`` — what Airflow's scheduler and work
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable
 from datetime import timedelta
@@ -23,7 +24,7 @@ from triggerflow.wire import decode_json, encode_json
 log = logging.getLogger(__name__)
 
 
-class TaskDeferred(Exception):  # noqa: N818 - Airflow's name
+class TaskDeferred(Exception):
     def __init__(self, *, trigger: BaseTrigger, method_name: str,
                  kwargs: dict[str, Any] | None = None,
                  timeout: timedelta | float | None = None) -> None:
@@ -92,10 +93,8 @@ class Host:
         while not stop.is_set():
             n = await self.resume_once()
             if n == 0:
-                try:
+                with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), timeout=interval)
-                except TimeoutError:
-                    pass
 
     async def resume_once(self, limit: int = 1000) -> int:
         rows = await self.db.fetch(PICK_SCHEDULED, limit)

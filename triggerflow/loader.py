@@ -34,13 +34,15 @@ class KwargsCodec:
         text = encode_json(kwargs)
         if self._fernet is None:
             return text
-        return ENCRYPTED_PREFIX + self._fernet.encrypt(text.encode()).decode()
+        token: bytes = self._fernet.encrypt(text.encode())
+        return ENCRYPTED_PREFIX + token.decode()
 
     def decode(self, stored: str) -> dict[str, Any]:
         if stored.startswith(ENCRYPTED_PREFIX):
             if self._fernet is None:
                 raise MissingKey("kwargs are encrypted but this process has no kwargs_key")
-            stored = self._fernet.decrypt(stored[len(ENCRYPTED_PREFIX):].encode()).decode()
+            plain: bytes = self._fernet.decrypt(stored[len(ENCRYPTED_PREFIX):].encode())
+            stored = plain.decode()
         value = decode_json(stored)
         if not isinstance(value, dict):
             raise ValueError(f"kwargs must be a JSON object, got {type(value).__name__}")

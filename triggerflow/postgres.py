@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,13 @@ import asyncpg
 
 log = logging.getLogger(__name__)
 
-Record = asyncpg.Record
+# asyncpg ships no type information; rows are read as mappings of column name to value.
+Record = Mapping[str, Any]
+
+# Errors meaning "the database is unreachable or refused this statement right now".
+DB_ERRORS: tuple[type[BaseException], ...] = (
+    OSError, asyncpg.PostgresError, asyncpg.InterfaceError,
+)
 
 # ----------------------------------------------------------------------------- schema
 
@@ -484,7 +491,8 @@ class Database:
 
     async def fetchrow(self, sql: str, *args: Any) -> Record | None:
         async with self.pool.acquire() as conn:
-            return await conn.fetchrow(sql, *args)  # type: ignore[no-any-return]
+            row: Record | None = await conn.fetchrow(sql, *args)
+            return row
 
     async def fetchval(self, sql: str, *args: Any) -> Any:
         async with self.pool.acquire() as conn:
@@ -492,7 +500,8 @@ class Database:
 
     async def execute(self, sql: str, *args: Any) -> str:
         async with self.pool.acquire() as conn:
-            return await conn.execute(sql, *args)  # type: ignore[no-any-return]
+            status: str = await conn.execute(sql, *args)
+            return status
 
     # -- lease ---------------------------------------------------------------------------
 

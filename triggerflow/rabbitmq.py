@@ -10,6 +10,7 @@ lost consumers before (aio-pika #231, #334, #536). Imports nothing from the data
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -128,10 +129,8 @@ class Broker:
 
     async def close(self) -> None:
         if self.connection is not None and not self.connection.is_closed:
-            try:
+            with contextlib.suppress(TimeoutError, *CONNECTION_ERRORS):
                 await asyncio.wait_for(self.connection.close(), timeout=5)
-            except (TimeoutError, *CONNECTION_ERRORS):
-                pass
         self.closed.set()
 
     @property
@@ -255,7 +254,7 @@ class Broker:
         """False once the broker cancelled our consumer (queue deleted, failover...)."""
         if not self.is_open:
             return False
-        underlay = await self._channel().get_underlay_channel()
+        underlay: Any = await self._channel().get_underlay_channel()  # aiormq.Channel
         return tag in underlay.consumers
 
     async def publish_wakeups(

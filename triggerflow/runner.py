@@ -169,7 +169,7 @@ class TriggerRunner:
     async def _close(self, held: Held, trigger: BaseTrigger, agen: Any) -> None:
         try:
             await agen.aclose()
-        except BaseException:  # noqa: BLE001 - a broken generator must not hide cleanup
+        except BaseException:
             log.debug("aclose failed", exc_info=True, extra=held.log_context())
         try:
             await trigger.cleanup()

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import json
-
-from pydantic import Field, SecretStr, field_validator
 from typing import Annotated
 
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 
@@ -31,7 +30,9 @@ class Settings(BaseSettings):
     namespace: str = Field("triggerflow", description="Prefix of every exchange and shared queue.")
 
     # -- consumer -----------------------------------------------------------------------
-    queues: Annotated[list[str], NoDecode] = Field(default_factory=list, description="Team queues to consume / scope.")
+    queues: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="Team queues to consume / scope."
+    )
     capacity: int = Field(200_000, ge=1, description="Max triggers one consumer runs at once.")
     allowed_modules: Annotated[list[str], NoDecode] = Field(
         default_factory=lambda: ["triggerflow.triggers"],
@@ -70,7 +71,9 @@ class Settings(BaseSettings):
     writer_prefetch: int = Field(400, ge=1, description="Unacked event messages per writer.")
     team_users: dict[str, str] = Field(
         default_factory=dict,
-        description='Queue -> AMQP user that alone may publish its events, e.g. {"team-ml": "team-ml"}.',
+        description=(
+            'Queue -> AMQP user that alone may publish its events, e.g. {"team-ml": "team-ml"}.'
+        ),
     )
 
     # -- reaper -------------------------------------------------------------------------

@@ -21,13 +21,13 @@ import asyncpg
 from aio_pika.abc import AbstractIncomingMessage
 
 from triggerflow import __version__
+from triggerflow.model import EventKind, FailureReason
 from triggerflow.postgres import APPLY_EVENTS, Database
 from triggerflow.rabbitmq import Broker
 from triggerflow.reaper import Reaper
+from triggerflow.runner import failure
 from triggerflow.settings import Settings
 from triggerflow.telemetry import context_from, get_metrics, tracer, tracing_enabled
-from triggerflow.model import EventKind, FailureReason
-from triggerflow.runner import failure
 from triggerflow.wire import Event, WireError, decode_events, encode_events, encode_json
 
 log = logging.getLogger(__name__)
@@ -100,7 +100,7 @@ class Writer:
             max(self.settings.lease_ttl, 10.0))
 
     async def _idle(self) -> None:
-        while not self._inbox.empty() or self._busy:
+        while not self._inbox.empty() or self._busy:  # noqa: ASYNC110 - polled only at shutdown
             await asyncio.sleep(0.05)
 
     _busy = False
@@ -180,7 +180,8 @@ class Writer:
         owners = self.settings.team_users
         if not owners:
             return Delivery(message, events)
-        kept, forged = [], []
+        kept: list[Event] = []
+        forged: list[Event] = []
         for ev in events:
             owner = owners.get(ev.queue)
             (forged if owner is not None and owner != message.user_id else kept).append(ev)

@@ -26,7 +26,9 @@ class TriggerEvent:
         return f"{type(self).__name__}<{self.payload!r}>"
 
     def __eq__(self, other: object) -> bool:
-        return type(other) is type(self) and other.payload == self.payload  # type: ignore[attr-defined]
+        return isinstance(other, TriggerEvent) and type(other) is type(self) and (
+            other.payload == self.payload
+        )
 
     __hash__ = None  # type: ignore[assignment]
 
@@ -63,7 +65,7 @@ class BaseTrigger(abc.ABC):
     trigger_id: int | None = None
     task_key: str | None = None
 
-    def __init__(self, **kwargs: Any) -> None:
+    def __init__(self, **kwargs: Any) -> None:  # noqa: B027 - subclasses take their own kwargs
         pass
 
     @property
