@@ -226,3 +226,41 @@ async def test_io_trigger_does_not_delay_timers(
             "SELECT state = 'scheduled' FROM task_instance WHERE dag_id = 'http'"), 15)
     finally:
         server.shutdown()
+
+
+def _defer_in_child(client: object, queue: str, out: object) -> None:
+    from triggerflow.sdk import SyncClient
+
+    assert isinstance(client, SyncClient)
+    try:
+        trigger_id: object = client.defer(TaskKey("fork", "child", "r"), EventAfter(), queue=queue)
+    except Exception as exc:  # reported to the parent, which fails the test with it
+        trigger_id = repr(exc)
+    out.put(trigger_id)  # type: ignore[attr-defined]
+
+
+async def test_sync_client_works_in_parent_and_forked_child(
+    db: Database, settings: Settings, teams: list[str], topology: object
+) -> None:
+    """Prefork workers: a SyncClient made before fork() keeps working in the child."""
+    import multiprocessing
+
+    from triggerflow.sdk import SyncClient
+
+    def run() -> tuple[int, int]:
+        client = SyncClient(settings)
+        parent_id = client.defer(TaskKey("fork", "parent", "r"), EventAfter(), queue=teams[0])
+        ctx = multiprocessing.get_context("fork")
+        out = ctx.Queue()
+        child = ctx.Process(target=_defer_in_child, args=(client, teams[0], out))
+        child.start()
+        child.join(timeout=30)
+        child_id = out.get(timeout=5)
+        assert isinstance(child_id, int), child_id
+        client.close()
+        return parent_id, child_id
+
+    parent_id, child_id = await asyncio.to_thread(run)
+    assert parent_id != child_id
+    rows = await db.fetch("SELECT task_id, state FROM task_instance ORDER BY task_id")
+    assert [(r["task_id"], r["state"]) for r in rows] == [("child", "deferred"), ("parent", "deferred")]

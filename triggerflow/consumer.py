@@ -14,6 +14,7 @@ import contextlib
 import logging
 import os
 import socket
+import sys
 import time
 from collections import defaultdict
 from collections.abc import Coroutine
@@ -460,8 +461,10 @@ class Consumer:
         self._update_flow()
 
     def _start(self, row: Any) -> None:
-        held = Held(row["id"], row["attempt"], row["queue"], row["classpath"], row["task"],
-                    row["timeout_at"], row["traceparent"])
+        # Interned: 100k held triggers share one string per class and queue, not 100k copies.
+        held = Held(row["id"], row["attempt"], sys.intern(row["queue"]),
+                    sys.intern(row["classpath"]), row["task"], row["timeout_at"],
+                    row["traceparent"])
         try:
             trigger = self.loader.build(row["classpath"], row["kwargs"])
         except Unloadable as exc:
