@@ -27,11 +27,13 @@ from triggerflow.settings import Settings
 ROOT = Path(__file__).resolve().parents[1]
 PG = os.environ.get("TRIGGERFLOW_TEST_PG", "postgresql://postgres@127.0.0.1:5432")
 AMQP = os.environ.get("TRIGGERFLOW_TEST_AMQP", "amqp://guest:guest@127.0.0.1:5672/")
-TEMPLATE = "triggerflow_test_template"
+# One template per test session, so engineers (and CI) running suites at once never drop
+# each other's template mid-run.
+TEMPLATE = f"triggerflow_test_template_{os.getpid()}"
 
 
 @pytest.fixture(scope="session")
-def template_db() -> str:
+def template_db() -> Iterator[str]:
     async def recreate() -> None:
         conn = await asyncpg.connect(f"{PG}/postgres")
         try:
@@ -42,7 +44,16 @@ def template_db() -> str:
 
     asyncio.run(recreate())
     upgrade_schema(f"{PG}/{TEMPLATE}")
-    return TEMPLATE
+    yield TEMPLATE
+
+    async def drop() -> None:
+        conn = await asyncpg.connect(f"{PG}/postgres")
+        try:
+            await conn.execute(f"DROP DATABASE IF EXISTS {TEMPLATE} WITH (FORCE)")
+        finally:
+            await conn.close()
+
+    asyncio.run(drop())
 
 
 @pytest.fixture

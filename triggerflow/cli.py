@@ -104,6 +104,10 @@ def _setup_process(settings: Settings, service: str) -> None:
     logs.setup(settings.log_level, settings.log_format)
     telemetry.setup(service=service, metrics_port=settings.metrics_port,
                     otlp_endpoint=settings.otlp_endpoint, trace_file=settings.trace_file)
+    if settings.metrics_port or settings.otlp_endpoint:
+        from triggerflow.cliops import start_queue_gauges
+
+        start_queue_gauges(settings, all_queues=service == "triggerflow-writer")
 
 
 def _fail(message: str) -> None:

@@ -22,7 +22,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from datetime import datetime
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 import click
 
@@ -136,7 +136,7 @@ class Redactor:
         for url in (settings.amqp_url.get_secret_value(), settings.database_url.get_secret_value()):
             password = urlsplit(url).password
             if password:
-                self.secrets.append(password)
+                self.secrets += {password, unquote(password)}
         if settings.kwargs_key is not None:
             self.secrets.append(settings.kwargs_key.get_secret_value())
 

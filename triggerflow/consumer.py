@@ -188,7 +188,13 @@ class Consumer:
     # -- lifecycle ---------------------------------------------------------------------------
 
     async def run(self, stop: asyncio.Event) -> None:
-        await self._register()
+        registering = asyncio.ensure_future(self._register())
+        await asyncio.wait([registering, asyncio.ensure_future(stop.wait())],
+                           return_when=asyncio.FIRST_COMPLETED)
+        if not registering.done():  # stopped before the database ever answered
+            registering.cancel()
+            await self.broker.close()
+            return
         self.watchdog.start()
         loop = asyncio.get_running_loop()
         for name, coro in (
@@ -450,9 +456,12 @@ class Consumer:
                     # Redelivered after the reconnect; the claim then finds us the owner
                     # and changes nothing.
                     log.debug("ack lost with the channel")
-        claimed = [r for r in rows if r["claimed"]]
-        if len(claimed) < len(rows):
+        claimed = [r for r in rows if r["outcome"] == "claimed"]
+        if any(r["outcome"] == "suspect" for r in rows):
             self._suspects.set()
+        refused = [r for r in rows if r["outcome"] == "refused"]
+        if refused:  # we cannot load these: back to the queue for a consumer that can
+            self._spawn(self._pass_on(refused))
         self.metrics.claimed.add(len(claimed))
         for i, row in enumerate(claimed):
             self._start(row)
@@ -495,6 +504,11 @@ class Consumer:
             log.warning("%s", msg, extra=held.log_context())
             self._on_outcome(held, EventKind.FAIL, failure(FailureReason.TRIGGER_UNLOADABLE, msg))
 
+    async def _pass_on(self, rows: list[Any]) -> None:
+        await asyncio.sleep(1.0)  # no hot loop if the queue's only other consumer just left
+        if not self._stopping:
+            await self._republish(rows)
+
     async def _republish(self, rows: list[Any]) -> None:
         by_queue: dict[str, list[int]] = defaultdict(list)
         for r in rows:
@@ -508,9 +522,11 @@ class Consumer:
         """Validate, stamp with (trigger id, attempt) and queue the event for publishing."""
         if asyncio.get_running_loop().time() > self._lease_deadline:
             return  # fenced: a peer may run this trigger now; our event would be stale
+        reason: str | None = None
         try:
             text = validate_payload(payload, self.settings.max_event_bytes)
         except PayloadError as exc:
+            reason = FailureReason.TRIGGER_FAILURE
             kind, text = EventKind.FAIL, validate_payload(
                 failure(FailureReason.TRIGGER_FAILURE, f"{held.classpath}: {exc}"), 1 << 20)
         fired = time.time()
@@ -520,7 +536,10 @@ class Consumer:
         self.sink.add(Event(held.id, held.attempt, held.queue, str(kind), text, fired,
                             traceparent))
         if kind == EventKind.FAIL:
-            self.metrics.failed.add(1, {"queue": held.queue})
+            if reason is None and isinstance(payload, dict):
+                reason = payload.get("error")
+            self.metrics.failed.add(
+                1, {"queue": held.queue, "reason": str(reason or FailureReason.TRIGGER_FAILURE)})
         else:
             self.metrics.succeeded.add(1, {"queue": held.queue})
         if log.isEnabledFor(logging.DEBUG):

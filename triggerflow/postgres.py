@@ -144,7 +144,15 @@ RETURNING
         AS peers_running
 """
 
-UNREGISTER = "DELETE FROM consumer WHERE id = $1"
+# Leave: a straggler still owned (a claim that committed late) is freed and dated back so
+# the next reaper sweep re-sends it at once, instead of waiting on an owner that is gone.
+UNREGISTER = """
+WITH stragglers AS (
+    UPDATE trigger SET owner_id = NULL, dispatched_at = now() - interval '1 day'
+    WHERE owner_id = $1 RETURNING id
+)
+DELETE FROM consumer WHERE id = $1
+"""
 
 _CLAIM_COLUMNS = """
     c.id, c.attempt, c.classpath, c.kwargs, c.queue, c.failures, c.traceparent,
@@ -154,7 +162,8 @@ _CLAIM_COLUMNS = """
 
 # Claim delivered ids in one statement: only of my queues, only where no live owner holds
 # them. Suspects (lost ungracefully twice or more) are not claimed here: they run on
-# probation (CLAIM_PROBATION) and come back flagged so the consumer knows to look for them.
+# probation (CLAIM_PROBATION) and come back flagged so the consumer knows to look for them;
+# triggers this consumer could not load come back flagged 'refused', to pass on.
 # One loss is not suspicious enough to slow a failover down.
 CLAIM = f"""
 WITH candidate AS (
@@ -170,10 +179,14 @@ WITH candidate AS (
     FROM candidate WHERE t.id = candidate.id AND candidate.failures < 2
     RETURNING t.*
 )
-SELECT {_CLAIM_COLUMNS}, true AS claimed
+SELECT {_CLAIM_COLUMNS}, 'claimed' AS outcome
 FROM claimed c LEFT JOIN task_instance ti ON ti.trigger_id = c.id
 UNION ALL
-SELECT id, 0, '', '', '', failures, NULL, NULL, NULL, false FROM candidate WHERE failures >= 2
+SELECT id, 0, '', '', '', failures, NULL, NULL, NULL, 'suspect' FROM candidate WHERE failures >= 2
+UNION ALL
+SELECT t.id, 0, '', '', t.queue, t.failures, NULL, NULL, NULL, 'refused' FROM trigger t
+WHERE t.id = ANY($2::bigint[]) AND t.owner_id IS NULL AND t.quarantined_at IS NULL
+  AND $1 = ANY(t.rejected_by)
 """
 
 # Bisection of suspects: take half of the unclaimed triggers at the highest suspicion level
@@ -201,7 +214,7 @@ WITH worst AS (
     UPDATE consumer SET probation = (SELECT coalesce(array_agg(id), '{{}}') FROM claimed)
     WHERE id = $1
 )
-SELECT {_CLAIM_COLUMNS}, true AS claimed
+SELECT {_CLAIM_COLUMNS}, 'claimed' AS outcome
 FROM claimed c LEFT JOIN task_instance ti ON ti.trigger_id = c.id
 """
 
