@@ -7,7 +7,7 @@ A reader accepts the current schema version and the one before it (rolling upgra
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -61,10 +61,19 @@ _wakeup_decoder = msgspec.json.Decoder(Wakeup)
 _batch_decoder = msgspec.json.Decoder(EventBatch)
 _control_decoder = msgspec.json.Decoder(Control)
 
+_Versioned = TypeVar("_Versioned", Wakeup, EventBatch, Control)
 
-def _check_version(v: int) -> None:
-    if v not in ACCEPTED_VERSIONS:
-        raise WireError(f"unsupported schema version {v}; accepted {sorted(ACCEPTED_VERSIONS)}")
+
+def _decode(decoder: msgspec.json.Decoder[_Versioned], body: bytes, what: str) -> _Versioned:
+    """Decode and check the schema version; any failure is a WireError naming ``what``."""
+    try:
+        msg = decoder.decode(body)
+    except (msgspec.DecodeError, UnicodeDecodeError) as exc:
+        raise WireError(f"undecodable {what}: {exc}") from None
+    if msg.v not in ACCEPTED_VERSIONS:
+        raise WireError(
+            f"unsupported schema version {msg.v}; accepted {sorted(ACCEPTED_VERSIONS)}")
+    return msg
 
 
 def encode_wakeup(ids: list[int]) -> bytes:
@@ -72,11 +81,7 @@ def encode_wakeup(ids: list[int]) -> bytes:
 
 
 def decode_wakeup(body: bytes) -> list[int]:
-    try:
-        msg = _wakeup_decoder.decode(body)
-    except (msgspec.DecodeError, UnicodeDecodeError) as exc:
-        raise WireError(f"undecodable wake-up: {exc}") from None
-    _check_version(msg.v)
+    msg = _decode(_wakeup_decoder, body, "wake-up")
     ids = list(msg.ids)
     if msg.id is not None:
         ids.append(msg.id)
@@ -90,12 +95,7 @@ def encode_events(events: list[Event]) -> bytes:
 
 
 def decode_events(body: bytes) -> list[Event]:
-    try:
-        msg = _batch_decoder.decode(body)
-    except (msgspec.DecodeError, UnicodeDecodeError) as exc:
-        raise WireError(f"undecodable event batch: {exc}") from None
-    _check_version(msg.v)
-    return msg.events
+    return _decode(_batch_decoder, body, "event batch").events
 
 
 def encode_control(op: str, ids: list[int]) -> bytes:
@@ -103,12 +103,7 @@ def encode_control(op: str, ids: list[int]) -> bytes:
 
 
 def decode_control(body: bytes) -> Control:
-    try:
-        msg = _control_decoder.decode(body)
-    except (msgspec.DecodeError, UnicodeDecodeError) as exc:
-        raise WireError(f"undecodable control message: {exc}") from None
-    _check_version(msg.v)
-    return msg
+    return _decode(_control_decoder, body, "control message")
 
 
 def encode_json(value: Any) -> str:

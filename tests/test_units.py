@@ -1,0 +1,126 @@
+"""Fast tests of the pure parts: wire format, allow-list, loader, timer heap, settings."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+
+from tests.triggers import EventAfter, Raises, WaitsForever
+from triggerflow.loader import BadKwargs, Disallowed, KwargsCodec, TriggerLoader, Unloadable
+from triggerflow.model import EventKind, is_allowed
+from triggerflow.runner import Held, TriggerRunner
+from triggerflow.settings import Settings
+from triggerflow.triggers import DateTimeTrigger, TimeDeltaTrigger
+from triggerflow.wire import (
+    Event,
+    PayloadError,
+    WireError,
+    decode_events,
+    decode_wakeup,
+    encode_events,
+    validate_payload,
+)
+
+
+def test_wire_roundtrip_and_versions() -> None:
+    ev = Event(1, 2, "team-ml", "resume", '{"a": 1}', 1.5, "00-abc-def-01")
+    assert decode_events(encode_events([ev])) == [ev]
+    assert decode_wakeup(b'{"v": 1, "id": 7}') == [7]  # the previous version still reads
+    for bad in (b"\xff\x00", b'{"v": 3, "ids": [1]}', b'{"v": 2, "ids": []}', b"[]"):
+        with pytest.raises(WireError):
+            decode_wakeup(bad)
+
+
+def test_payload_validation_refuses_what_jsonb_would() -> None:
+    assert validate_payload({"when": datetime(2026, 1, 1, tzinfo=UTC)}, 1000)
+    with pytest.raises(PayloadError, match="NUL"):
+        validate_payload("a\x00b", 1000)
+    with pytest.raises(PayloadError, match="bytes"):
+        validate_payload("x" * 2000, 1000)
+    with pytest.raises(PayloadError, match="serializable"):
+        validate_payload(object(), 1000)
+
+
+@pytest.mark.parametrize(("classpath", "ok"), [
+    ("triggerflow.triggers.temporal.DateTimeTrigger", True),
+    ("triggerflow.triggers.DateTimeTrigger", True),
+    ("triggerflow.triggersevil.X", False),
+    ("os.system", False),
+    ("triggerflow", False),
+    ("triggerflow.triggers.x.1bad", False),
+])
+def test_allow_list_is_checked_at_a_dot_boundary(classpath: str, ok: bool) -> None:
+    assert is_allowed(classpath, ["triggerflow.triggers"]) is ok
+
+
+def test_loader_refuses_before_importing() -> None:
+    loader = TriggerLoader(["tests"], KwargsCodec())
+    sys.modules.pop("shelve", None)
+    with pytest.raises(Disallowed):
+        loader.build("shelve.Shelf", "{}")
+    assert "shelve" not in sys.modules  # never imported
+    with pytest.raises(Unloadable):
+        loader.build("tests.nowhere.Trigger", "{}")
+    with pytest.raises(Disallowed, match="not a BaseTrigger"):
+        loader.build("tests.triggers.NotATrigger", "{}")
+    with pytest.raises(BadKwargs, match="EventAfter"):
+        loader.build("tests.triggers.EventAfter", "[1]")
+
+
+def test_kwargs_codec_encrypts_and_reads_plain() -> None:
+    from cryptography.fernet import Fernet
+
+    codec = KwargsCodec(Fernet.generate_key().decode())
+    token = codec.encode({"password": "hunter2"})
+    assert token.startswith("fernet:") and "hunter2" not in token
+    assert codec.decode(token) == {"password": "hunter2"}
+    assert codec.decode('{"plain": 1}') == {"plain": 1}  # a key can be added later
+
+
+def test_datetime_trigger_needs_an_aware_moment() -> None:
+    with pytest.raises(ValueError, match="timezone"):
+        DateTimeTrigger("2026-01-01T00:00:00")
+    t = TimeDeltaTrigger(timedelta(seconds=5))
+    classpath, kwargs = t.serialize()
+    assert classpath == "triggerflow.triggers.temporal.DateTimeTrigger"
+    assert DateTimeTrigger(**kwargs).moment == t.moment
+
+
+def test_settings_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRIGGERFLOW_QUEUES", "team-ml, default")
+    monkeypatch.setenv("TRIGGERFLOW_TEAM_USERS", '{"team-ml": "ml"}')
+    s = Settings()
+    assert s.queues == ["team-ml", "default"]
+    assert s.team_users == {"team-ml": "ml"}
+    assert "heartbeat=10" in s.amqp_dsn()
+    assert "guest" not in repr(s)  # secrets stay masked
+
+
+async def test_runner_fires_timers_from_one_heap_and_times_out_tasks(tmp_path: Any) -> None:
+    out: list[tuple[int, EventKind, Any]] = []
+    runner = TriggerRunner(lambda held, kind, payload: out.append((held.id, kind, payload)))
+    soon = datetime.now(UTC) + timedelta(seconds=0.2)
+    for i in range(1000):
+        runner.start(Held(i, 1, "q", "c", None, None, None), DateTimeTrigger(soon))
+    assert runner.current_task_count() == 0  # no coroutine per timer
+    runner.start(Held(5000, 1, "q", "c", None, time.time() + 0.3, None),
+                 WaitsForever(marker_dir=str(tmp_path)))
+    runner.start(Held(5001, 1, "q", "c", None, None, None), EventAfter(payload=1))
+    runner.start(Held(5002, 1, "q", "c", None, None, None), Raises())
+    cancelled = Held(5003, 1, "q", "c", None, None, None)
+    runner.start(cancelled, WaitsForever(marker_dir=str(tmp_path)))
+    await asyncio.sleep(0.05)
+    assert [h.id for h in runner.cancel([5003])] == [5003]
+    await asyncio.sleep(0.5)
+    await runner.wait_cleanups()
+    kinds = {i: k for i, k, _ in out}
+    assert sum(1 for i in kinds if i < 1000) == 1000
+    assert kinds[5000] == EventKind.FAIL and kinds[5001] == EventKind.RESUME
+    assert kinds[5002] == EventKind.FAIL and 5003 not in kinds
+    assert (tmp_path / "cleanup-5000").exists() and (tmp_path / "cleanup-5003").exists()
+    assert len(runner) == 0
