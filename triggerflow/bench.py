@@ -442,7 +442,14 @@ class Bench:
         """Run a measurement again when the broker restarted while it ran."""
         for attempt in range(1, tries + 1):
             losses = self.broker_losses
-            result = await run()
+            try:
+                result = await run()
+            except Exception:
+                if self.broker_losses == losses or attempt == tries:
+                    raise
+                self.log(f"[yellow]{what}: failed while the broker restarted; measuring again")
+                await asyncio.sleep(5)
+                continue
             if self.broker_losses == losses:
                 result["retries"] = attempt - 1
                 return result
@@ -1436,13 +1443,26 @@ async def _main(settings: Settings, chosen: list[str], quick: bool, console: Con
         for name in chosen:
             console.rule(f"[b]{name}")
             t0 = time.monotonic()
-            try:
-                res = await RUNNERS[name](b)
-            except Exception as exc:
-                console.print_exception(max_frames=5) if not isinstance(exc, BenchError) else \
-                    console.print(f"[red]{name} failed:[/] {escape(str(exc))}")
+            res = None
+            for attempt in range(1, 4):
+                losses = b.broker_losses
+                try:
+                    res = await RUNNERS[name](b)
+                    break
+                except Exception as exc:
+                    await b.stop_all()
+                    if attempt < 3 and b.broker_losses != losses:
+                        console.log(f"[yellow]{name}: the broker restarted during the scenario "
+                                    f"({escape(repr(exc))[:200]}); running it again")
+                        await asyncio.sleep(5)
+                        continue
+                    if isinstance(exc, BenchError):
+                        console.print(f"[red]{name} failed:[/] {escape(str(exc))}")
+                    else:
+                        console.print_exception(max_frames=5)
+                    break
+            if res is None:
                 failed.append(name)
-                await b.stop_all()
                 continue
             res["duration_s"] = time.monotonic() - t0
             results[name] = res

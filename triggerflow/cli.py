@@ -189,7 +189,7 @@ def consume(**values: Any) -> None:
         raise click.UsageError("give at least one --queue (or TRIGGERFLOW_QUEUES)")
     _setup_process(settings, "triggerflow-consumer")
 
-    async def go() -> None:
+    async def go() -> int:
         from triggerflow.consumer import Consumer
         from triggerflow.postgres import Database
         from triggerflow.rabbitmq import Broker, Topology
@@ -200,7 +200,7 @@ def consume(**values: Any) -> None:
         broker = Broker(settings.amqp_dsn(), Topology(settings.namespace),
                         name=f"triggerflow-consumer:{','.join(settings.queues)}")
         try:
-            await Consumer(settings, db, broker).run(stop)
+            return await Consumer(settings, db, broker).run(stop)
         finally:
             await db.close()
 
@@ -214,7 +214,7 @@ def writer(**values: Any) -> None:
     settings = build_settings(values)
     _setup_process(settings, "triggerflow-writer")
 
-    async def go() -> None:
+    async def go() -> int:
         from triggerflow.postgres import Database
         from triggerflow.rabbitmq import Broker, Topology
         from triggerflow.writer import Writer
@@ -224,7 +224,7 @@ def writer(**values: Any) -> None:
                                     pgbouncer=settings.pgbouncer)
         broker = Broker(settings.amqp_dsn(), Topology(settings.namespace), name="triggerflow-writer")
         try:
-            await Writer(settings, db, broker).run(stop)
+            return await Writer(settings, db, broker).run(stop)
         finally:
             await db.close()
 

@@ -187,14 +187,15 @@ class Consumer:
 
     # -- lifecycle ---------------------------------------------------------------------------
 
-    async def run(self, stop: asyncio.Event) -> None:
+    async def run(self, stop: asyncio.Event) -> int:
+        """Serve until ``stop`` is set (0) or a lifecycle task crashed (1), then stop cleanly."""
         registering = asyncio.ensure_future(self._register())
         await asyncio.wait([registering, asyncio.ensure_future(stop.wait())],
                            return_when=asyncio.FIRST_COMPLETED)
         if not registering.done():  # stopped before the database ever answered
             registering.cancel()
             await self.broker.close()
-            return
+            return 0
         self.watchdog.start()
         loop = asyncio.get_running_loop()
         for name, coro in (
@@ -208,11 +209,13 @@ class Consumer:
             self._tasks.append(loop.create_task(coro, name=name))
         stopper = loop.create_task(stop.wait(), name="stop")
         done, _ = await asyncio.wait([stopper, *self._tasks], return_when=asyncio.FIRST_COMPLETED)
-        for task in done:
-            if task is not stopper and task.exception() is not None:
-                log.error("task %s crashed", task.get_name(), exc_info=task.exception())
+        crashed = [t for t in done if t is not stopper]
+        for task in crashed:
+            log.error("task %s stopped unexpectedly; shutting down", task.get_name(),
+                      exc_info=task.exception())
         stopper.cancel()
         await self.shutdown()
+        return 1 if crashed else 0
 
     async def shutdown(self) -> None:
         """Graceful stop: no new claims, cancel triggers (cleanup), flush, hand back, leave."""

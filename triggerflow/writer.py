@@ -64,7 +64,8 @@ class Writer:
         self.me = 0
         self.applied_total = 0
 
-    async def run(self, stop: asyncio.Event) -> None:
+    async def run(self, stop: asyncio.Event) -> int:
+        """Apply events until ``stop`` is set (0) or a lifecycle task crashed (1)."""
         while not self.me:
             try:
                 await self._register()
@@ -79,9 +80,10 @@ class Writer:
         ]
         stopper = loop.create_task(stop.wait(), name="stop")
         done, _ = await asyncio.wait([stopper, *tasks], return_when=asyncio.FIRST_COMPLETED)
-        for task in done:
-            if task is not stopper and task.exception() is not None:
-                log.error("task %s crashed; stopping", task.get_name(), exc_info=task.exception())
+        crashed = [t for t in done if t is not stopper]
+        for task in crashed:
+            log.error("task %s stopped unexpectedly; shutting down", task.get_name(),
+                      exc_info=task.exception())
         stopper.cancel()
         log.info("stopping writer")
         # Let the batch in hand commit; unacked deliveries return to the queue on close.
@@ -93,6 +95,7 @@ class Writer:
         with contextlib.suppress(Exception):
             await self.db.unregister(self.me)
         await self.broker.close()
+        return 1 if crashed else 0
 
     async def _register(self) -> None:
         self.me = await self.db.register(
