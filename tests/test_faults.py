@@ -84,7 +84,7 @@ async def test_paused_consumer_is_fenced_and_reregisters(
     procs.writer()
     sleeper = procs.consume(teams[0])
     sleeper_id = await consumer_id(db, sleeper)
-    await client.defer_many(timers(200, 4, teams[0]))
+    await client.defer_many(timers(200, 8, teams[0]))
     await wait_until(lambda: all_owned_by(db, sleeper_id, 200), 15)
     sleeper.send_signal(signal.SIGSTOP)
     peer = procs.consume(teams[0])

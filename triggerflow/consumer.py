@@ -448,6 +448,9 @@ class Consumer:
                 elif message is not None and message.routing_key:
                     overflow[message.routing_key].append(trigger_id)
         rows = await self.db.fetch(CLAIM, self.me, ids, self.queues) if ids else []
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("claim of %d ids (%d overflow) returned %d rows", len(ids),
+                      sum(len(v) for v in overflow.values()), len(rows))
         if overflow:  # hand the rest to other consumers through the queue, never nack
             await self.broker.publish_wakeups(overflow)
         for _, message in batch:

@@ -75,8 +75,16 @@ class LoopWatchdog:
         self._handle = self._loop.call_later(self.interval, self._tick)
 
     def _watch(self) -> None:
+        woke = time.monotonic()
         while not self._stop.wait(self.interval):
-            late = time.monotonic() - self._last_tick - self.interval
+            now = time.monotonic()
+            slept, woke = now - woke, now
+            if slept > self.interval + self.threshold:
+                # This thread overslept too: the whole process was paused (SIGSTOP, a VM
+                # freeze), not the loop blocked by a trigger. Give the loop a tick to catch up.
+                self._reported_for = 0.0
+                continue
+            late = now - self._last_tick - self.interval
             if late < self.threshold:
                 self._reported_for = 0.0
                 continue

@@ -151,8 +151,10 @@ class Writer:
                     await self._register()
                 if loop.time() >= next_reap and self.broker.is_open:
                     next_reap = loop.time() + self.settings.reaper_interval
+                    # Dead consumers are reaped by their live peers, which claim the freed
+                    # triggers themselves; a re-send from here could land in a stalled
+                    # consumer's prefetch. The writer keeps the all-queue sweeps.
                     await self.reaper.time_out_orphans()
-                    await self.reaper.reap_dead()
                     await self.reaper.report_unconsumed()
             except asyncio.CancelledError:
                 raise
