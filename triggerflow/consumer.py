@@ -63,6 +63,10 @@ log = logging.getLogger(__name__)
 DELETE_HELD = "DELETE FROM trigger WHERE id = ANY($1::bigint[]) AND owner_id = $2"
 
 
+# Trigger ids to claim, and the wake-up that carried them (None: freed by our own reaper).
+Delivery = tuple[list[int], AbstractIncomingMessage | None]
+
+
 class LeaseLost(Exception):
     """Our consumer row expired: every trigger we hold may already run elsewhere."""
 
@@ -164,9 +168,7 @@ class Consumer:
         self.me = 0
         self.host = socket.gethostname()
         self.metrics = get_metrics()
-        self._deliveries: asyncio.Queue[tuple[list[int], AbstractIncomingMessage | None]] = (
-            asyncio.Queue()
-        )
+        self._deliveries: asyncio.Queue[Delivery] = asyncio.Queue()
         self._pending_ids = 0
         self._subscriptions: dict[str, str] = {}  # queue -> consumer tag
         self._unacked = 0  # wake-up deliveries received and not yet acked
@@ -437,31 +439,13 @@ class Consumer:
                 self._pending_ids -= n
             await asyncio.sleep(0)  # a 100k reclaim must not starve renewals
 
-    async def _claim(self, batch: list[tuple[list[int], AbstractIncomingMessage | None]]) -> None:
-        room = max(0, self.settings.capacity - len(self.runner))
-        ids: list[int] = []
-        overflow: dict[str, list[int]] = defaultdict(list)
-        for msg_ids, message in batch:
-            for trigger_id in msg_ids:
-                if len(ids) < room:
-                    ids.append(trigger_id)
-                elif message is not None and message.routing_key:
-                    overflow[message.routing_key].append(trigger_id)
+    async def _claim(self, batch: list[Delivery]) -> None:
+        """One claim statement for the batch, then the acks: the lease is in Postgres now."""
+        ids, overflow = self._fit_to_room(batch)
         rows = await self.db.fetch(CLAIM, self.me, ids, self.queues) if ids else []
-        if log.isEnabledFor(logging.DEBUG):
-            log.debug("claim of %d ids (%d overflow) returned %d rows", len(ids),
-                      sum(len(v) for v in overflow.values()), len(rows))
         if overflow:  # hand the rest to other consumers through the queue, never nack
             await self.broker.publish_wakeups(overflow)
-        for _, message in batch:
-            if message is not None:
-                self._unacked -= 1
-                try:
-                    await message.ack()
-                except CONNECTION_ERRORS:
-                    # Redelivered after the reconnect; the claim then finds us the owner
-                    # and changes nothing.
-                    log.debug("ack lost with the channel")
+        await self._ack_all(batch)
         claimed = [r for r in rows if r["outcome"] == "claimed"]
         if any(r["outcome"] == "suspect" for r in rows):
             self._suspects.set()
@@ -474,6 +458,31 @@ class Consumer:
             if i % 500 == 499:
                 await asyncio.sleep(0)
         self._update_flow()
+
+    def _fit_to_room(self, batch: list[Delivery]) -> tuple[list[int], dict[str, list[int]]]:
+        """Split delivered ids into what fits our free capacity and the overflow per queue."""
+        room = max(0, self.settings.capacity - len(self.runner))
+        ids: list[int] = []
+        overflow: dict[str, list[int]] = defaultdict(list)
+        for msg_ids, message in batch:
+            for trigger_id in msg_ids:
+                if len(ids) < room:
+                    ids.append(trigger_id)
+                elif message is not None and message.routing_key:
+                    overflow[message.routing_key].append(trigger_id)
+        return ids, overflow
+
+    async def _ack_all(self, batch: list[Delivery]) -> None:
+        for _, message in batch:
+            if message is None:
+                continue  # taken locally from the reaper, not delivered
+            self._unacked -= 1
+            try:
+                await message.ack()
+            except CONNECTION_ERRORS:
+                # Redelivered after the reconnect; the claim then finds us the owner and
+                # changes nothing.
+                log.debug("ack lost with the channel")
 
     def _start(self, row: Any) -> None:
         # Interned: 100k held triggers share one string per class and queue, not 100k copies.

@@ -66,6 +66,12 @@ def upgrade_schema(dsn: str, revision: str = "head") -> None:
     command.upgrade(cfg, revision)
 
 
+async def _keep_session(conn: asyncpg.Connection) -> None:
+    """Release without asyncpg's reset query (``SELECT pg_advisory_unlock_all(); CLOSE ALL;
+    UNLISTEN *; RESET ALL``): four statements and a round trip after every call. Nothing here
+    leaves session state behind; asyncpg still rolls back a transaction left open."""
+
+
 async def create_pool(dsn: str, *, max_size: int = 4, pgbouncer: bool = False) -> asyncpg.Pool:
     """A bounded pool. Behind PgBouncer (transaction mode) prepared statements are not cached."""
     return await asyncpg.create_pool(
@@ -75,6 +81,7 @@ async def create_pool(dsn: str, *, max_size: int = 4, pgbouncer: bool = False) -
         statement_cache_size=0 if pgbouncer else 256,
         command_timeout=60,
         server_settings={"application_name": "triggerflow"},
+        reset=_keep_session,
     )
 
 
@@ -167,26 +174,31 @@ _CLAIM_COLUMNS = """
 # One loss is not suspicious enough to slow a failover down.
 CLAIM = f"""
 WITH candidate AS (
-    SELECT t.id, t.failures FROM trigger t
+    -- every delivered id is read once, by trigger_pkey; triggers I refused before come back
+    -- flagged from the same scan (a separate "refused" lookup matched the partial index of
+    -- all unclaimed triggers and read the whole backlog once per claim)
+    SELECT t.id, t.failures, t.queue, ($1 = ANY(t.rejected_by)) AS refused,
+           t.owner_id IS NULL AS unowned
+    FROM trigger t
     WHERE t.id = ANY($2::bigint[]) AND t.queue = ANY($3::text[])
-      AND t.quarantined_at IS NULL AND NOT ($1 = ANY(t.rejected_by))
+      AND t.quarantined_at IS NULL
       AND (t.owner_id IS NULL OR NOT EXISTS (
             SELECT 1 FROM consumer o WHERE o.id = t.owner_id AND o.expires_at > now()))
     ORDER BY t.id
     FOR UPDATE OF t SKIP LOCKED
 ), claimed AS (
     UPDATE trigger t SET owner_id = $1, attempt = t.attempt + 1, claimed_at = now()
-    FROM candidate WHERE t.id = candidate.id AND candidate.failures < 2
+    FROM candidate WHERE t.id = candidate.id AND candidate.failures < 2 AND NOT candidate.refused
     RETURNING t.*
 )
 SELECT {_CLAIM_COLUMNS}, 'claimed' AS outcome
 FROM claimed c LEFT JOIN task_instance ti ON ti.trigger_id = c.id
 UNION ALL
-SELECT id, 0, '', '', '', failures, NULL, NULL, NULL, 'suspect' FROM candidate WHERE failures >= 2
+SELECT id, 0, '', '', '', failures, NULL, NULL, NULL, 'suspect' FROM candidate
+WHERE failures >= 2 AND NOT refused
 UNION ALL
-SELECT t.id, 0, '', '', t.queue, t.failures, NULL, NULL, NULL, 'refused' FROM trigger t
-WHERE t.id = ANY($2::bigint[]) AND t.owner_id IS NULL AND t.quarantined_at IS NULL
-  AND $1 = ANY(t.rejected_by)
+SELECT id, 0, '', '', queue, failures, NULL, NULL, NULL, 'refused' FROM candidate
+WHERE refused AND unowned
 """
 
 # Bisection of suspects: take half of the unclaimed triggers at the highest suspicion level
@@ -261,31 +273,38 @@ WITH ev AS (
                          $6::float8[])
         AS e(trigger_id, attempt, queue, kind, payload, fired_at)
 ), locked AS (
-    SELECT t.id FROM trigger t JOIN ev
+    SELECT t.id, ev.queue, ev.kind, ev.payload, ev.fired_at FROM trigger t JOIN ev
       ON ev.trigger_id = t.id AND ev.attempt = t.attempt AND ev.queue = t.queue
     ORDER BY t.id
     FOR UPDATE OF t
 ), finished AS (
-    DELETE FROM trigger t USING locked WHERE t.id = locked.id RETURNING t.id
+    -- the event travels with its locked trigger: no later join against ev, which a generic
+    -- plan (unnest estimated at 10 rows) runs as a nested loop, N x N comparisons
+    DELETE FROM trigger t USING locked WHERE t.id = locked.id
+    RETURNING locked.*
+), target AS MATERIALIZED (
+    -- found by ti_trigger alone: with a state predicate here the planner may AND in the
+    -- partial index of every deferred task (ti_deferred_timeout) once per event
+    SELECT ti.id AS ti_id, f.* FROM finished f JOIN task_instance ti ON ti.trigger_id = f.id
 ), moved AS (
     UPDATE task_instance ti SET
-        state = CASE WHEN ev.kind IN ('resume', 'fail') THEN 'scheduled' ELSE ev.kind END,
-        next_method = CASE ev.kind WHEN 'resume' THEN ti.next_method
-                                   WHEN 'fail' THEN '__fail__' END,
-        next_kwargs = CASE ev.kind
+        state = CASE WHEN e.kind IN ('resume', 'fail') THEN 'scheduled' ELSE e.kind END,
+        next_method = CASE e.kind WHEN 'resume' THEN ti.next_method
+                                  WHEN 'fail' THEN '__fail__' END,
+        next_kwargs = CASE e.kind
             WHEN 'resume' THEN coalesce(ti.next_kwargs, '{}'::jsonb)
-                               || jsonb_build_object('event', ev.payload::jsonb)
-            WHEN 'fail' THEN ev.payload::jsonb END,
-        result = CASE WHEN ev.kind IN ('success', 'failed', 'skipped') THEN ev.payload::jsonb
+                               || jsonb_build_object('event', e.payload::jsonb)
+            WHEN 'fail' THEN e.payload::jsonb END,
+        result = CASE WHEN e.kind IN ('success', 'failed', 'skipped') THEN e.payload::jsonb
                       ELSE ti.result END,
-        end_date = CASE WHEN ev.kind IN ('success', 'failed', 'skipped') THEN clock_timestamp()
+        end_date = CASE WHEN e.kind IN ('success', 'failed', 'skipped') THEN clock_timestamp()
                         ELSE ti.end_date END,
         trigger_id = NULL, trigger_timeout = NULL,
-        event_fired_at = to_timestamp(ev.fired_at), event_applied_at = clock_timestamp(),
+        event_fired_at = to_timestamp(e.fired_at), event_applied_at = clock_timestamp(),
         updated_at = clock_timestamp()
-    FROM finished JOIN ev ON ev.trigger_id = finished.id
-    WHERE ti.trigger_id = finished.id AND ti.state = 'deferred'
-    RETURNING ev.kind, ev.queue, extract(epoch FROM clock_timestamp()) - ev.fired_at AS latency
+    FROM target e
+    WHERE ti.id = e.ti_id AND ti.trigger_id = e.id AND ti.state = 'deferred'
+    RETURNING e.kind, e.queue, extract(epoch FROM clock_timestamp()) - e.fired_at AS latency
 )
 SELECT kind, queue, latency FROM moved
 """
