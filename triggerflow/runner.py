@@ -27,7 +27,7 @@ class Held:
 
     __slots__ = (
         "attempt", "classpath", "deadline", "id", "queue", "task", "task_key", "timeout_at",
-        "timer_cls", "traceparent", "trigger",
+        "timer_cls", "traceparent",
     )
 
     def __init__(
@@ -43,8 +43,7 @@ class Held:
         self.traceparent = traceparent
         self.deadline: float | None = None  # set for heap-only timers
         self.timer_cls: type[TimerTrigger] | None = None
-        self.trigger: BaseTrigger | None = None  # kept only for coroutine triggers
-        self.task: asyncio.Task[None] | None = None
+        self.task: asyncio.Task[None] | None = None  # coroutine triggers only; it holds them
 
     def log_context(self) -> dict[str, Any]:
         return {"trigger_id": self.id, "task": self.task_key, "queue": self.queue,
@@ -94,10 +93,9 @@ class TriggerRunner:
             held.timer_cls = type(trigger)
             when = held.deadline if held.timeout_at is None else min(held.deadline, held.timeout_at)
         else:
-            held.trigger = trigger
-            held.task = asyncio.get_running_loop().create_task(
-                self._run(held, trigger), name=f"trigger-{held.id}"
-            )
+            # Unnamed: a name is one more string per waiting trigger, and the watchdog finds
+            # a blocking trigger from the stack, not from the task.
+            held.task = asyncio.get_running_loop().create_task(self._run(held, trigger))
             if held.timeout_at is None:
                 return
             when = held.timeout_at

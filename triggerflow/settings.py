@@ -61,7 +61,7 @@ class Settings(BaseSettings):
     # -- events -------------------------------------------------------------------------
     event_batch: int = Field(500, ge=1, description="Max events per published message.")
     event_linger: float = Field(
-        0.002, ge=0, description="Seconds a fired event waits for others to share its message."
+        0.004, ge=0, description="Seconds a fired event waits for others to share its message."
     )
     max_event_bytes: int = Field(65_536, ge=256, description="Largest event payload accepted.")
     max_kwargs_bytes: int = Field(65_536, ge=256, description="Largest trigger kwargs accepted.")
