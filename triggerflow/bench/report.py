@@ -1,0 +1,183 @@
+"""The summary against the targets, the burst plot, and the tables of each scenario."""
+
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from triggerflow.bench.common import TARGETS, Sizes, ms, num
+from triggerflow.bench.dbload import scenario_dbload, tables_dbload
+from triggerflow.bench.defer import scenario_defer, table_defer
+from triggerflow.bench.failover import scenario_failover, table_failover
+from triggerflow.bench.harness import Bench
+from triggerflow.bench.scenarios import (
+    scenario_burst,
+    scenario_capacity,
+    scenario_steady,
+    table_burst,
+    table_capacity,
+    table_steady,
+)
+
+if TYPE_CHECKING:
+    from rich.table import Table
+
+def _verdict(ok: bool | None) -> str:
+    if ok is None:
+        return "-"
+    return "[green]met" if ok else "[bold red]missed"
+
+
+Row = tuple[str, str, str, str, bool | None]
+
+
+def _row(key: str, what: str, value: str, ok: bool | None) -> Row:
+    target, airflow = TARGETS[key]
+    return (what, value, target, airflow, ok)
+
+
+def _summary_capacity(cap: dict[str, Any]) -> list[Row]:
+    timers = [r for r in cap["rows"] if r["kind"] == "timer"]
+    big = max(timers, key=lambda r: r["n"])
+    worst = min(timers, key=lambda r: r["claim_rate"])
+    rows = [
+        _row("capacity_n", "waiting timers held by one consumer", num(big["n"]),
+             big["n"] >= 100_000),
+        _row("kb_timer", f"memory per waiting timer (N={big['n']:,})",
+             f"{big['bytes_per_trigger'] / 1024:.2f} KB", big["bytes_per_trigger"] <= 1024),
+    ]
+    rows += [_row("kb_coroutine", f"memory per coroutine trigger (N={r['n']:,})",
+                  f"{r['bytes_per_trigger'] / 1024:.2f} KB", r["bytes_per_trigger"] <= 3072)
+             for r in cap["rows"] if r["kind"] == "coroutine"]
+    rows += [
+        _row("cpu_waiting", f"CPU while {big['n']:,} wait", f"{big['cpu_pct']:.2f} %",
+             big["cpu_pct"] <= 2.0),
+        _row("claim_rate", f"claim+start rate (slowest, N={worst['n']:,})",
+             f"{worst['claim_rate']:,.0f} /s", worst["claim_rate"] >= 10_000),
+    ]
+    return rows
+
+
+def _summary_latency(results: dict[str, Any]) -> list[Row]:
+    rows = []
+    for n, r in results.get("burst", {}).get("sizes", {}).items():
+        key = "burst_1k" if int(n) <= 1_000 else "burst_10k"
+        limit = 0.1 if key == "burst_1k" else 0.5
+        rows.append(_row(key, f"burst of {int(n):,}: p50 / p99 / all applied",
+                         f"{ms(r['p50'])} / {ms(r['p99'])} / {ms(r['all_applied'])}",
+                         r["all_applied"] <= limit))
+    steady = results.get("steady")
+    if steady:
+        rows.append(_row("steady", f"steady {steady['rate']:,}/s: p50 / p99",
+                         f"{ms(steady['p50'])} / {ms(steady['p99'])}",
+                         steady["p50"] <= 0.010 and steady["p99"] <= 0.050))
+    return rows
+
+
+def _summary_db(results: dict[str, Any]) -> list[Row]:
+    rows = []
+    db = results.get("dbload")
+    if db:
+        per = db["idle"]["per_s"]
+        rows += [_row("stmts_idle", f"statements/s of the {role} while "
+                      f"{db['idle']['waiting']:,} wait", f"{per[role]:.2f}", per[role] <= 2.0)
+                 for role in ("consumer", "writer") if per.get(role)]
+        rows.append(_row("stmts_burst", f"statements per event, burst of "
+                         f"{db['burst']['applied']:,}", f"{db['burst']['stmts_per_event']:.4f}",
+                         db["burst"]["stmts_per_event"] <= 0.02))
+    steady = db["steady"] if db else results.get("steady")
+    if steady:
+        rows.append(_row("stmts_steady", f"statements per event, steady {steady['rate']:,}/s",
+                         f"{steady['stmts_per_event']:.3f}", steady["stmts_per_event"] <= 0.5))
+    return rows
+
+
+def _summary_ops(results: dict[str, Any]) -> list[Row]:
+    rows = []
+    d = results.get("defer")
+    if d:
+        rows.append(_row("defer_p50", "single defer(): p50 / p99",
+                         f"{ms(d['single']['lat_p50'])} / {ms(d['single']['lat_p99'])}",
+                         d["single"]["lat_p50"] <= 0.005))
+        rows.append(_row("defer_batched", "batched deferrals/s, one process",
+                         num(d["batched"]["per_s"]), d["batched"]["per_s"] >= 5_000))
+    f = results.get("failover")
+    if f:
+        rows.append(_row("failover_kill", "failover after SIGKILL (median)",
+                         ms(f["SIGKILL"]["seconds"]), f["SIGKILL"]["seconds"] <= 5))
+        rows.append(_row("failover_term", "handover after SIGTERM (median)",
+                         ms(f["SIGTERM"]["seconds"]), f["SIGTERM"]["seconds"] <= 1))
+    return rows
+
+
+def summary_rows(results: dict[str, Any]) -> list[Row]:
+    rows = _summary_capacity(results["capacity"]) if "capacity" in results else []
+    return rows + _summary_latency(results) + _summary_db(results) + _summary_ops(results)
+
+
+def table_summary(results: dict[str, Any]) -> Table:
+    from rich.table import Table
+
+    quick = bool(results.get("quick"))
+    t = Table(title="Summary: triggerflow vs targets (issue 4) and Airflow 3.3.2's triggerer "
+              "(DESIGN.md)")
+    for col in ("metric", "triggerflow", "target", "Airflow triggerer", ""):
+        t.add_column(col)
+    for what, value, target, airflow, ok in summary_rows(results):
+        t.add_row(what, value, target, airflow, "-" if quick else _verdict(ok))
+    if quick:
+        t.caption = "--quick: sizes far too small to judge the targets; run without it."
+    return t
+
+
+def plot_bursts(burst: dict[str, Any], path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    sizes = list(burst["sizes"].items())
+    fig, axes = plt.subplots(1, len(sizes), figsize=(6 * len(sizes), 4), squeeze=False)
+    for ax, (n, r) in zip(axes[0], sizes, strict=True):
+        for i, run in enumerate(r["runs"]):
+            lat = sorted(x * 1000 for x in run["latencies"])
+            ys = [(k + 1) / len(lat) for k in range(len(lat))]
+            ax.plot(lat, ys, label=f"run {i + 1}: all in {run['all_applied'] * 1000:.0f} ms")
+        limit = 100 if int(n) <= 1000 else 500
+        ax.axvline(limit, color="red", linestyle="--", label=f"target: all ≤ {limit} ms")
+        ax.set_title(f"{int(n):,} DateTimeTriggers at one instant")
+        ax.set_xlabel("fire instant → task_instance updated (ms, DB clock)")
+        ax.set_ylabel("fraction of tasks applied")
+        ax.grid(alpha=0.3)
+        ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+# ----------------------------------------------------------------------------- entry point
+
+RUNNERS: dict[str, Callable[[Bench], Awaitable[dict[str, Any]]]] = {
+    "capacity": scenario_capacity, "burst": scenario_burst, "steady": scenario_steady,
+    "dbload": scenario_dbload, "defer": scenario_defer, "failover": scenario_failover,
+}
+
+
+def _tables(name: str, res: dict[str, Any], sizes: Sizes) -> list[Table]:
+    if name == "capacity":
+        return [table_capacity(res)]
+    if name == "burst":
+        return [table_burst(res, sizes.repeats)]
+    if name == "steady":
+        return [table_steady(res)]
+    if name == "dbload":
+        return tables_dbload(res)
+    if name == "defer":
+        return [table_defer(res, sizes.defer_batch)]
+    return [table_failover(res, sizes.failover)]
