@@ -23,6 +23,7 @@ from typing import Any
 from aio_pika.abc import AbstractIncomingMessage
 
 from triggerflow import __version__
+from triggerflow.emitter import EventSink
 from triggerflow.loader import BadKwargs, Disallowed, KwargsCodec, TriggerLoader, Unloadable
 from triggerflow.model import EventKind, FailureReason
 from triggerflow.postgres import (
@@ -54,7 +55,6 @@ from triggerflow.wire import (
     WireError,
     decode_control,
     decode_wakeup,
-    encode_events,
     validate_payload,
 )
 
@@ -69,77 +69,6 @@ Delivery = tuple[list[int], AbstractIncomingMessage | None]
 
 class LeaseLost(Exception):
     """Our consumer row expired: every trigger we hold may already run elsewhere."""
-
-
-class EventSink:
-    """Coalesces fired events into few messages: flush at ``batch`` events or after ``linger``.
-
-    Publishes several messages in flight and keeps events buffered while the broker is down.
-    """
-
-    def __init__(self, broker: Broker, settings: Settings) -> None:
-        self.broker = broker
-        self.batch = settings.event_batch
-        self.linger = settings.event_linger
-        self._buffer: list[Event] = []
-        self._flush_handle: asyncio.TimerHandle | None = None
-        self._inflight: set[asyncio.Task[None]] = set()
-        self._retry = asyncio.Event()
-
-    def add(self, event: Event) -> None:
-        self._buffer.append(event)
-        if len(self._buffer) >= self.batch:
-            self.flush()
-        elif self._flush_handle is None:
-            self._flush_handle = asyncio.get_running_loop().call_later(self.linger, self.flush)
-
-    def flush(self) -> None:
-        if self._flush_handle is not None:
-            self._flush_handle.cancel()
-            self._flush_handle = None
-        if not self._buffer:
-            return
-        events, self._buffer = self._buffer, []
-        by_queue: dict[str, list[Event]] = defaultdict(list)
-        for ev in events:
-            by_queue[ev.queue].append(ev)
-        for queue, part in by_queue.items():
-            task = asyncio.get_running_loop().create_task(self._publish(queue, part))
-            self._inflight.add(task)
-            task.add_done_callback(self._inflight.discard)
-
-    async def _publish(self, queue: str, events: list[Event]) -> None:
-        try:
-            await self.broker.publish(self.broker.topology.events, queue, encode_events(events),
-                                      user_id=self.broker.user)
-        except Exception as exc:  # keep the events; they go out after the reconnect
-            log.warning("publishing %d events failed (%r); will retry", len(events), exc)
-            self._buffer[:0] = events
-            return
-        m = get_metrics()
-        for ev in events:
-            m.emitted.add(1, {"kind": ev.kind, "queue": ev.queue})
-
-    def retry(self) -> None:
-        self.flush()
-
-    def drop(self) -> int:
-        dropped = len(self._buffer)
-        self._buffer.clear()
-        return dropped
-
-    @property
-    def pending(self) -> int:
-        return len(self._buffer) + len(self._inflight)
-
-    async def drain(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and (self._buffer or self._inflight):
-            self.flush()
-            if self._inflight:
-                await asyncio.wait(list(self._inflight), timeout=deadline - time.monotonic())
-            elif self._buffer:
-                await asyncio.sleep(0.2)
 
 
 class Consumer:

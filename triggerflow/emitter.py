@@ -1,0 +1,91 @@
+"""Fired events -> few confirmed messages on the events exchange.
+
+Batching with both a size and a time bound: events fired within ``event_linger`` of each
+other share one message (a confirmed publish costs ~0.15 ms of a process), several messages
+are in flight at once, and events wait in the buffer while the broker is away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import defaultdict
+
+from triggerflow.rabbitmq import Broker
+from triggerflow.settings import Settings
+from triggerflow.telemetry import get_metrics
+from triggerflow.wire import Event, encode_events
+
+log = logging.getLogger(__name__)
+
+
+class EventSink:
+    """Coalesces fired events into few messages: flush at ``batch`` events or after ``linger``.
+
+    Publishes several messages in flight and keeps events buffered while the broker is down.
+    """
+
+    def __init__(self, broker: Broker, settings: Settings) -> None:
+        self.broker = broker
+        self.batch = settings.event_batch
+        self.linger = settings.event_linger
+        self._buffer: list[Event] = []
+        self._flush_handle: asyncio.TimerHandle | None = None
+        self._inflight: set[asyncio.Task[None]] = set()
+        self._retry = asyncio.Event()
+
+    def add(self, event: Event) -> None:
+        self._buffer.append(event)
+        if len(self._buffer) >= self.batch:
+            self.flush()
+        elif self._flush_handle is None:
+            self._flush_handle = asyncio.get_running_loop().call_later(self.linger, self.flush)
+
+    def flush(self) -> None:
+        if self._flush_handle is not None:
+            self._flush_handle.cancel()
+            self._flush_handle = None
+        if not self._buffer:
+            return
+        events, self._buffer = self._buffer, []
+        by_queue: dict[str, list[Event]] = defaultdict(list)
+        for ev in events:
+            by_queue[ev.queue].append(ev)
+        for queue, part in by_queue.items():
+            task = asyncio.get_running_loop().create_task(self._publish(queue, part))
+            self._inflight.add(task)
+            task.add_done_callback(self._inflight.discard)
+
+    async def _publish(self, queue: str, events: list[Event]) -> None:
+        try:
+            await self.broker.publish(self.broker.topology.events, queue, encode_events(events),
+                                      user_id=self.broker.user)
+        except Exception as exc:  # keep the events; they go out after the reconnect
+            log.warning("publishing %d events failed (%r); will retry", len(events), exc)
+            self._buffer[:0] = events
+            return
+        m = get_metrics()
+        for ev in events:
+            m.emitted.add(1, {"kind": ev.kind, "queue": ev.queue})
+
+    def retry(self) -> None:
+        self.flush()
+
+    def drop(self) -> int:
+        dropped = len(self._buffer)
+        self._buffer.clear()
+        return dropped
+
+    @property
+    def pending(self) -> int:
+        return len(self._buffer) + len(self._inflight)
+
+    async def drain(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and (self._buffer or self._inflight):
+            self.flush()
+            if self._inflight:
+                await asyncio.wait(list(self._inflight), timeout=deadline - time.monotonic())
+            elif self._buffer:
+                await asyncio.sleep(0.2)
