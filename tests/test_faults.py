@@ -244,3 +244,23 @@ async def test_orphan_timeout_and_unconsumed_queue_reported(
         datetime.now(UTC) + timedelta(hours=1)), queue=teams[1])
     await wait_until(lambda: asyncio.sleep(
         0, f"queue {teams[1]} has no live consumer" in Processes.log(writer)), 15)
+
+
+async def test_sdk_survives_broker_and_database_restarts(
+    client: TriggerflowClient, db: Database, teams: list[str]
+) -> None:
+    """The SDK's pooled connections die under it; the next defer still records and sends."""
+    await client.defer(TaskKey("sdk", "before", "r"), DateTimeTrigger(
+        datetime.now(UTC) + timedelta(hours=1)), queue=teams[0])
+    listing = rabbitmqctl("list_connections", "pid", "client_properties")
+    closed = 0
+    for line in listing.splitlines():
+        if "triggerflow-sdk" in line:
+            rabbitmqctl("close_connection", line.split()[0], "test: closing the SDK")
+            closed += 1
+    assert closed >= 1
+    await asyncio.to_thread(pg_restart)
+    await client.defer(TaskKey("sdk", "after", "r"), DateTimeTrigger(
+        datetime.now(UTC) + timedelta(hours=1)), queue=teams[0])
+    await wait_until(lambda: db.fetchval(
+        "SELECT count(*) = 2 FROM task_instance WHERE state = 'deferred'"), 15)

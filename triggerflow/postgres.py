@@ -27,6 +27,12 @@ DB_ERRORS: tuple[type[BaseException], ...] = (
     OSError, asyncpg.PostgresError, asyncpg.InterfaceError,
 )
 
+# The connection itself failed (server restarting, socket dropped): worth a retry.
+DB_DISCONNECTED: tuple[type[BaseException], ...] = (
+    OSError, asyncpg.InterfaceError, asyncpg.PostgresConnectionError,
+    asyncpg.CannotConnectNowError, asyncpg.AdminShutdownError,
+)
+
 # ----------------------------------------------------------------------------- schema
 
 

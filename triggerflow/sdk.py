@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 
 from triggerflow.loader import KwargsCodec
 from triggerflow.model import TaskKey, is_allowed
-from triggerflow.postgres import CANCEL, DEFER, UNDO_DEFER, Database
+from triggerflow.postgres import CANCEL, DB_DISCONNECTED, DEFER, UNDO_DEFER, Database
 from triggerflow.rabbitmq import (
     CONNECTION_ERRORS,
     Broker,
@@ -155,7 +155,7 @@ class TriggerflowClient:
             columns.append([traceparent] * len(deferrals))
             db, broker = await self._connect()
             await self._check_routable(broker, {d.queue for d in deferrals})
-            ids: list[int] = [r["id"] for r in await db.fetch(DEFER, *columns)]
+            ids = await self._record(db, columns)
             by_queue: dict[str, list[int]] = defaultdict(list)
             for d, trigger_id in zip(deferrals, ids, strict=True):
                 by_queue[d.queue].append(trigger_id)
@@ -174,6 +174,22 @@ class TriggerflowClient:
                             exc, len(ids))
                 self._broker = None
         return ids
+
+    @staticmethod
+    async def _record(db: Database, columns: list[list[Any]]) -> list[int]:
+        """Write the deferral; ride out a database restart (a pool's dead connection).
+
+        A retry after a commit whose answer was lost leaves one spare trigger row, which the
+        task no longer points at: it fires into nothing and the writer deletes it.
+        """
+        for attempt in range(4):
+            try:
+                return [r["id"] for r in await db.fetch(DEFER, *columns)]
+            except DB_DISCONNECTED:
+                if attempt == 3:
+                    raise
+                await asyncio.sleep(0.25 * 2**attempt)
+        raise AssertionError("unreachable")
 
     async def _check_routable(self, broker: Broker, queues: set[str]) -> None:
         for queue in queues - self._routable:

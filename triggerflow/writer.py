@@ -22,7 +22,7 @@ from aio_pika.abc import AbstractIncomingMessage
 
 from triggerflow import __version__
 from triggerflow.model import EventKind, FailureReason
-from triggerflow.postgres import APPLY_EVENTS, Database
+from triggerflow.postgres import APPLY_EVENTS, DB_DISCONNECTED, Database
 from triggerflow.rabbitmq import Broker
 from triggerflow.reaper import Reaper
 from triggerflow.runner import failure
@@ -43,8 +43,6 @@ class Delivery:
     forged: list[Event] = field(default_factory=list)
 
 RETRYABLE = (asyncpg.DeadlockDetectedError, asyncpg.SerializationError)
-DB_DOWN = (OSError, asyncpg.InterfaceError, asyncpg.PostgresConnectionError,
-           asyncpg.CannotConnectNowError, asyncpg.AdminShutdownError)
 
 
 class Writer:
@@ -201,7 +199,7 @@ class Writer:
             try:
                 applied = await self._apply(self._dedupe(events))
                 break
-            except DB_DOWN as exc:
+            except DB_DISCONNECTED as exc:
                 log.warning("database unavailable (%r); retrying batch of %d", exc, len(events))
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 5)
