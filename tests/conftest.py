@@ -153,19 +153,8 @@ async def client(settings: Settings, topology: Topology) -> AsyncIterator[Trigge
 
 def settings_env(settings: Settings, **overrides: Any) -> dict[str, str]:
     """The environment that gives a CLI subprocess exactly these settings."""
-    import json
-
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRIGGERFLOW_")}
-    values = settings.model_dump()
-    values.update(overrides)
-    for key, value in values.items():
-        if value is None:
-            continue
-        if hasattr(value, "get_secret_value"):
-            value = value.get_secret_value()
-        if isinstance(value, list | dict):
-            value = json.dumps(value)
-        env[f"TRIGGERFLOW_{key.upper()}"] = str(value)
+    env.update(settings.as_env(**overrides))
     env["PYTHONPATH"] = str(ROOT)
     env["PYTHONUNBUFFERED"] = "1"
     return env

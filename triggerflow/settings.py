@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from typing import Annotated
+from typing import Annotated, Any
 
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -117,3 +117,19 @@ class Settings(BaseSettings):
 
     def database_dsn(self) -> str:
         return self.database_url.get_secret_value()
+
+    def as_env(self, **overrides: Any) -> dict[str, str]:
+        """``TRIGGERFLOW_*`` variables that give a child process exactly these settings."""
+        values = self.model_dump()
+        values.update(overrides)
+        env: dict[str, str] = {}
+        for key, value in values.items():
+            if value is None:
+                continue
+            if isinstance(value, SecretStr):
+                value = value.get_secret_value()
+            if isinstance(value, list | dict):
+                value = json.dumps(value)
+            env[f"TRIGGERFLOW_{key.upper()}"] = str(value)
+        return env
+

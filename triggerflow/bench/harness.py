@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import signal
 import subprocess
@@ -263,17 +262,8 @@ class Bench:
 
     def env(self, role: str, **overrides: Any) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("TRIGGERFLOW_")}
-        values = self.role_settings(role).model_dump()
-        values.pop("queues", None)
-        values.update(overrides)
-        for key, value in values.items():
-            if value is None:
-                continue
-            if hasattr(value, "get_secret_value"):
-                value = value.get_secret_value()
-            if isinstance(value, list | dict):
-                value = json.dumps(value)
-            env[f"TRIGGERFLOW_{key.upper()}"] = str(value)
+        env.update(self.role_settings(role).as_env(**overrides))
+        env.pop("TRIGGERFLOW_QUEUES", None)  # each process gets its queues as flags
         env["PYTHONUNBUFFERED"] = "1"
         return env
 
