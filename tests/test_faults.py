@@ -209,6 +209,8 @@ async def test_rolling_restart_spreads_triggers(
 ) -> None:
     q = teams[0]
     a, b = procs.consume(q), procs.consume(q)
+    for started in (a, b):  # both up (signal handlers installed) before the rollout
+        await consumer_id(db, started)
     await client.defer_many(timers(1000, 120, q))
     await wait_until(lambda: db.fetchval(
         "SELECT count(*) = 1000 FROM trigger WHERE owner_id IS NOT NULL"), 15)
