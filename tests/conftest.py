@@ -32,44 +32,34 @@ AMQP = os.environ.get("TRIGGERFLOW_TEST_AMQP", "amqp://guest:guest@127.0.0.1:567
 TEMPLATE = f"triggerflow_test_template_{os.getpid()}"
 
 
+async def admin_sql(*statements: str) -> None:
+    """Run statements on the maintenance database (CREATE / DROP DATABASE)."""
+    conn = await asyncpg.connect(f"{PG}/postgres")
+    try:
+        for statement in statements:
+            await conn.execute(statement)
+    finally:
+        await conn.close()
+
+
+def drop_database_sql(name: str) -> str:
+    return f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'
+
+
 @pytest.fixture(scope="session")
 def template_db() -> Iterator[str]:
-    async def recreate() -> None:
-        conn = await asyncpg.connect(f"{PG}/postgres")
-        try:
-            await conn.execute(f"DROP DATABASE IF EXISTS {TEMPLATE} WITH (FORCE)")
-            await conn.execute(f"CREATE DATABASE {TEMPLATE}")
-        finally:
-            await conn.close()
-
-    asyncio.run(recreate())
+    asyncio.run(admin_sql(drop_database_sql(TEMPLATE), f'CREATE DATABASE "{TEMPLATE}"'))
     upgrade_schema(f"{PG}/{TEMPLATE}")
     yield TEMPLATE
-
-    async def drop() -> None:
-        conn = await asyncpg.connect(f"{PG}/postgres")
-        try:
-            await conn.execute(f"DROP DATABASE IF EXISTS {TEMPLATE} WITH (FORCE)")
-        finally:
-            await conn.close()
-
-    asyncio.run(drop())
+    asyncio.run(admin_sql(drop_database_sql(TEMPLATE)))
 
 
 @pytest.fixture
 async def dsn(template_db: str) -> AsyncIterator[str]:
     name = f"tf_{uuid.uuid4().hex[:12]}"
-    conn = await asyncpg.connect(f"{PG}/postgres")
-    try:
-        await conn.execute(f"CREATE DATABASE {name} TEMPLATE {template_db}")
-    finally:
-        await conn.close()
+    await admin_sql(f'CREATE DATABASE "{name}" TEMPLATE "{template_db}"')
     yield f"{PG}/{name}"
-    conn = await asyncpg.connect(f"{PG}/postgres")
-    try:
-        await conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
-    finally:
-        await conn.close()
+    await admin_sql(drop_database_sql(name))
 
 
 @pytest.fixture
@@ -112,27 +102,18 @@ async def topology(settings: Settings, teams: list[str]) -> AsyncIterator[Topolo
     await broker.declare(teams)
     await broker.close()
     yield topo
-    # Clean up everything this namespace declared.
+    # Clean up everything this namespace declared. A failed delete closes its channel, so
+    # each gets a channel of its own.
     conn = await aio_pika.connect(settings.amqp_dsn())
     try:
-        for queue in [*teams, topo.events_queue, topo.dead_queue]:
+        deletions = [("queue_delete", q) for q in (*teams, topo.events_queue, topo.dead_queue)]
+        deletions += [("exchange_delete", x) for x in topo.exchanges()]
+        for method, name in deletions:
             ch = await conn.channel()
-            try:
-                await ch.queue_delete(queue)
-            except Exception:
-                pass
-            finally:
-                if not ch.is_closed:
-                    await ch.close()
-        for exchange in topo.exchanges():
-            ch = await conn.channel()
-            try:
-                await ch.exchange_delete(exchange)
-            except Exception:
-                pass
-            finally:
-                if not ch.is_closed:
-                    await ch.close()
+            with contextlib.suppress(Exception):
+                await getattr(ch, method)(name)
+            if not ch.is_closed:
+                await ch.close()
     finally:
         await conn.close()
 

@@ -14,20 +14,11 @@ import sys
 import uuid
 from pathlib import Path
 
-import asyncpg
-
-from tests.conftest import AMQP, PG, ROOT
+from tests.conftest import AMQP, PG, ROOT, admin_sql, drop_database_sql
 
 
 def _drop(database: str) -> None:
-    async def go() -> None:
-        conn = await asyncpg.connect(f"{PG}/postgres")
-        try:
-            await conn.execute(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
-        finally:
-            await conn.close()
-
-    asyncio.run(go())
+    asyncio.run(admin_sql(drop_database_sql(database)))
 
 
 def test_bench_quick_prints_tables(tmp_path: Path) -> None:
