@@ -19,8 +19,8 @@ import aio_pika
 import asyncpg
 import pytest
 
-from triggerflow.postgres import Database, upgrade_schema
-from triggerflow.rabbitmq import Broker, Topology
+from triggerflow.store.postgres import Database, upgrade_schema
+from triggerflow.transport.rabbitmq import RabbitTransport, Topology
 from triggerflow.sdk import TriggerflowClient
 from triggerflow.settings import Settings
 
@@ -97,7 +97,7 @@ def settings(dsn: str, namespace: str, teams: list[str]) -> Settings:
 @pytest.fixture
 async def topology(settings: Settings, teams: list[str]) -> AsyncIterator[Topology]:
     topo = Topology(settings.namespace)
-    broker = Broker(settings.amqp_dsn(), topo, name="test-topology")
+    broker = RabbitTransport(settings.amqp_dsn(), topo, name="test-topology")
     await broker.connect()
     await broker.declare(teams)
     await broker.close()

@@ -16,8 +16,8 @@ import pytest
 from tests.conftest import Processes, wait_until
 from tests.triggers import BadPayload, EventAfter, Killer
 from triggerflow.model import TaskKey
-from triggerflow.postgres import Database
-from triggerflow.rabbitmq import Broker, Topology
+from triggerflow.store.postgres import Database
+from triggerflow.transport.rabbitmq import RabbitTransport, Topology
 from triggerflow.sdk import Deferral, DeferralError, TriggerflowClient
 from triggerflow.settings import Settings
 from triggerflow.triggers import DateTimeTrigger
@@ -71,7 +71,7 @@ async def test_garbage_wrong_version_unknown_and_disallowed_classes(
     disallowed = await insert_trigger(db, "os.system", '{"command": "true"}', q, 2)
     not_trigger = await insert_trigger(db, "tests.triggers.NotATrigger", "{}", q, 3)
     bad_kwargs = await insert_trigger(db, "tests.triggers.EventAfter", '[1, 2]', q, 4)
-    broker = Broker(settings.amqp_dsn(), Topology(settings.namespace))
+    broker = RabbitTransport(settings.amqp_dsn(), Topology(settings.namespace))
     await broker.connect()
     ex = broker.topology.deferrals
     await broker.publish(ex, q, b"\x00\xffnot json at all")
@@ -104,13 +104,13 @@ async def test_garbage_wrong_version_unknown_and_disallowed_classes(
 async def test_sdk_refuses_bad_deferrals_before_writing(
     client: TriggerflowClient, db: Database, teams: list[str], settings: Settings
 ) -> None:
-    from triggerflow.rabbitmq import UnroutableError
+    from triggerflow.transport import Unroutable
 
     with pytest.raises(DeferralError, match="exceed"):
         await client.defer(TaskKey("d", "big", "r"), EventAfter(blob="x" * 70_000), queue=teams[0])
     with pytest.raises(DeferralError, match="not JSON-serializable"):
         await client.defer(TaskKey("d", "obj", "r"), EventAfter(x=object()), queue=teams[0])
-    with pytest.raises(UnroutableError, match="does not exist"):
+    with pytest.raises(Unroutable, match="does not exist"):
         await client.defer(TaskKey("d", "q", "r"), EventAfter(), queue="no-such-team-queue")
     assert await db.fetchval("SELECT count(*) FROM trigger") == 0
     assert await db.fetchval("SELECT count(*) FROM task_instance") == 0
@@ -138,7 +138,7 @@ async def test_poison_event_payloads(
     now = time.time()
     events = [Event(t, 0, teams[0], "resume", json.dumps({"ok": t}), now) for t in good_ids]
     events.insert(1, Event(bad_id, 0, teams[0], "resume", '{"bad": "a\\u0000b"}', now))
-    broker = Broker(settings.amqp_dsn(), Topology(settings.namespace))
+    broker = RabbitTransport(settings.amqp_dsn(), Topology(settings.namespace))
     await broker.connect()
     await broker.publish(broker.topology.events, teams[0], encode_events(events))
     await broker.close()
@@ -161,7 +161,7 @@ async def test_forged_events_from_another_team_user_are_dead_lettered(
     """team_users says only user X may publish events of the queue; guest's are refused."""
     procs.writer(team_users={teams[0]: "someone-else"})
     tid = await insert_trigger(db, "tests.triggers.EventAfter", "{}", teams[0], 1)
-    broker = Broker(settings.amqp_dsn(), Topology(settings.namespace))
+    broker = RabbitTransport(settings.amqp_dsn(), Topology(settings.namespace))
     await broker.connect()
     ev = Event(tid, 0, teams[0], "success", json.dumps({"forged": True}), time.time())
     await broker.publish(broker.topology.events, teams[0], encode_events([ev]), user_id="guest")
@@ -218,7 +218,7 @@ async def test_mixed_code_versions_hand_over_then_fail(
         "SELECT id FROM consumer WHERE pid = $1", old.pid), 10)
     q = teams[0]
     lonely = await insert_trigger(db, "newcode.triggers.Fresh", '{"payload": "x"}', q, 1)
-    broker = Broker(settings.amqp_dsn(), Topology(settings.namespace))
+    broker = RabbitTransport(settings.amqp_dsn(), Topology(settings.namespace))
     await broker.connect()
     await broker.publish_wakeups({q: [lonely]})
     await wait_until(lambda: db.fetchval(

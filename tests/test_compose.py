@@ -3,7 +3,7 @@
 No Docker engine runs here, so these checks are what stops a deployment file from
 naming a subcommand, flag, setting, user or queue argument that does not exist.
 RabbitMQ refuses to re-declare a queue with other arguments, so the definitions file
-must match what ``triggerflow.rabbitmq.Topology`` declares.
+must match what ``triggerflow.transport.rabbitmq.Topology`` declares.
 """
 
 from __future__ import annotations
@@ -171,7 +171,7 @@ def test_team_queues_are_bound_by_their_name() -> None:
 
 
 def test_queue_arguments_match_topology() -> None:
-    from triggerflow.rabbitmq import Topology
+    from triggerflow.transport.rabbitmq import Topology
 
     expected = Topology(namespace=NAMESPACE).queue_arguments(delivery_limit=DELIVERY_LIMIT)
     arguments = {q["name"]: q["arguments"] for q in DEFINITIONS["queues"]}
@@ -180,7 +180,7 @@ def test_queue_arguments_match_topology() -> None:
 
 
 def test_exchanges_match_topology() -> None:
-    from triggerflow.rabbitmq import Topology
+    from triggerflow.transport.rabbitmq import Topology
 
     declared = {e["name"]: e["type"] for e in DEFINITIONS["exchanges"]}
     assert declared == Topology(namespace=NAMESPACE).exchanges()

@@ -15,7 +15,7 @@ from pathlib import Path
 from tests.conftest import ROOT, Processes, settings_env, wait_until
 from tests.triggers import EventAfter, Raises, WaitsForever
 from triggerflow.model import TaskKey
-from triggerflow.postgres import Database
+from triggerflow.store.postgres import Database
 from triggerflow.sdk import Deferral, TriggerflowClient
 from triggerflow.settings import Settings
 from triggerflow.triggers import DateTimeTrigger, HttpTrigger
@@ -145,14 +145,14 @@ async def test_duplicate_and_stale_events_change_nothing(
     settings: Settings,
 ) -> None:
     """Deliver the same event twice, then a stale attempt: only the first counts."""
-    from triggerflow.rabbitmq import Broker, Topology
+    from triggerflow.transport.rabbitmq import RabbitTransport, Topology
 
     procs.writer()
     tid = await client.defer(key(1), EventAfter(), queue=teams[0])
     tid2 = await client.defer(key(2), EventAfter(), queue=teams[0])
     # Pretend a consumer claimed both (attempt 1), as the claim statement would.
     await db.execute("UPDATE trigger SET attempt = 1")
-    broker = Broker(settings.amqp_dsn(), Topology(settings.namespace))
+    broker = RabbitTransport(settings.amqp_dsn(), Topology(settings.namespace))
     await broker.connect()
     first = Event(tid, 1, teams[0], "resume", json.dumps({"n": 1}), time.time())
     again = Event(tid, 1, teams[0], "resume", json.dumps({"n": 2}), time.time())

@@ -15,8 +15,8 @@ import pytest
 from tests.conftest import FAST, Processes, wait_until
 from tests.triggers import WaitsForever
 from triggerflow.model import TaskKey
-from triggerflow.postgres import Database
-from triggerflow.rabbitmq import Broker, Topology
+from triggerflow.store.postgres import Database
+from triggerflow.transport.rabbitmq import RabbitTransport, Topology
 from triggerflow.sdk import Deferral, TriggerflowClient
 from triggerflow.settings import Settings
 from triggerflow.triggers import DateTimeTrigger
@@ -131,7 +131,7 @@ async def test_queue_deleted_and_redeclared_under_consumer(
     consumer = procs.consume(teams[0], unclaimed_grace=60)
     await consumer_id(db, consumer)
     await asyncio.sleep(1.0)
-    broker = Broker(settings.amqp_dsn(), Topology(settings.namespace), name="test-admin")
+    broker = RabbitTransport(settings.amqp_dsn(), Topology(settings.namespace), name="test-admin")
     await broker.connect()
     assert broker.channel is not None
     await broker.channel.queue_delete(teams[0])

@@ -23,7 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.conftest import ROOT, Processes, settings_env, wait_until
 from tests.triggers import BlocksLoop, EventAfter, Killer, Raises, Spins, WaitsForever
 from triggerflow.model import TaskKey
-from triggerflow.postgres import Database
+from triggerflow.store.postgres import Database
 from triggerflow.sdk import Deferral, TriggerflowClient
 from triggerflow.settings import Settings
 from triggerflow.triggers import DateTimeTrigger

@@ -11,7 +11,9 @@ from typing import Any
 import pytest
 
 from tests.triggers import EventAfter, Raises, WaitsForever
-from triggerflow.loader import BadKwargs, Disallowed, KwargsCodec, TriggerLoader, Unloadable
+from triggerflow.codec import KwargsCodec
+from triggerflow.loader import BadKwargs, Disallowed, TriggerLoader, Unloadable
+from triggerflow.store import KwargsError, KwargsProblem, TriggerSpec
 from triggerflow.model import EventKind, is_allowed
 from triggerflow.runner import Held, TriggerRunner
 from triggerflow.settings import Settings
@@ -58,18 +60,28 @@ def test_allow_list_is_checked_at_a_dot_boundary(classpath: str, ok: bool) -> No
     assert is_allowed(classpath, ["triggerflow.triggers"]) is ok
 
 
+def spec(classpath: str, kwargs: dict[str, object] | None = None,
+         error: KwargsError | None = None) -> TriggerSpec:
+    return TriggerSpec(1, 1, "q", classpath, {} if kwargs is None and error is None else kwargs,
+                       error)
+
+
 def test_loader_refuses_before_importing() -> None:
-    loader = TriggerLoader(["tests"], KwargsCodec())
+    loader = TriggerLoader(["tests"])
     sys.modules.pop("shelve", None)
     with pytest.raises(Disallowed):
-        loader.build("shelve.Shelf", "{}")
+        loader.build(spec("shelve.Shelf"))
     assert "shelve" not in sys.modules  # never imported
     with pytest.raises(Unloadable):
-        loader.build("tests.nowhere.Trigger", "{}")
+        loader.build(spec("tests.nowhere.Trigger"))
     with pytest.raises(Disallowed, match="not a BaseTrigger"):
-        loader.build("tests.triggers.NotATrigger", "{}")
+        loader.build(spec("tests.triggers.NotATrigger"))
     with pytest.raises(BadKwargs, match="EventAfter"):
-        loader.build("tests.triggers.EventAfter", "[1]")
+        loader.build(spec("tests.triggers.EventAfter",
+                          error=KwargsError(KwargsProblem.INVALID, "not an object")))
+    with pytest.raises(Unloadable, match="decrypt"):  # another consumer may hold the key
+        loader.build(spec("tests.triggers.EventAfter",
+                          error=KwargsError(KwargsProblem.UNREADABLE_HERE, "no key")))
 
 
 def test_kwargs_codec_encrypts_and_reads_plain() -> None:

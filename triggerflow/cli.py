@@ -134,7 +134,7 @@ def db() -> None:
 @click.option("--revision", default="head", show_default=True, help="Target revision.")
 def db_upgrade(revision: str, **values: Any) -> None:
     """Create the database if missing and apply migrations."""
-    from triggerflow.postgres import database_name, ensure_database, upgrade_schema
+    from triggerflow.store.postgres import database_name, ensure_database, upgrade_schema
 
     settings = build_settings(values)
     dsn = settings.database_dsn()
@@ -158,17 +158,17 @@ def topology() -> None:
               help="Quorum-queue delivery limit before dead-lettering.")
 def topology_apply(delivery_limit: int, **values: Any) -> None:
     """Declare exchanges, team queues, events queue and dead letters (idempotent)."""
-    from triggerflow.rabbitmq import Broker, Topology
+    from triggerflow.wiring import make_transport
 
     settings = build_settings(values)
 
     async def go() -> None:
-        broker = Broker(settings.amqp_dsn(), Topology(settings.namespace), name="topology")
-        await broker.connect()
+        transport = make_transport(settings, name="topology")
+        await transport.connect()
         try:
-            await broker.declare(settings.queues, delivery_limit=delivery_limit)
+            await transport.declare(settings.queues, delivery_limit=delivery_limit)
         finally:
-            await broker.close()
+            await transport.close()
 
     try:
         asyncio.run(go())
@@ -190,19 +190,9 @@ def consume(**values: Any) -> None:
     _setup_process(settings, "triggerflow-consumer")
 
     async def go() -> int:
-        from triggerflow.consumer import Consumer
-        from triggerflow.postgres import Database
-        from triggerflow.rabbitmq import Broker, Topology
+        from triggerflow.wiring import serve_consumer
 
-        stop = stop_on_signals()
-        db = await Database.connect(settings.database_dsn(), max_size=settings.db_pool_size,
-                                    pgbouncer=settings.pgbouncer)
-        broker = Broker(settings.amqp_dsn(), Topology(settings.namespace),
-                        name=f"triggerflow-consumer:{','.join(settings.queues)}")
-        try:
-            return await Consumer(settings, db, broker).run(stop)
-        finally:
-            await db.close()
+        return await serve_consumer(settings, stop_on_signals())
 
     sys.exit(run_async(go()))
 
@@ -215,18 +205,9 @@ def writer(**values: Any) -> None:
     _setup_process(settings, "triggerflow-writer")
 
     async def go() -> int:
-        from triggerflow.postgres import Database
-        from triggerflow.rabbitmq import Broker, Topology
-        from triggerflow.writer import Writer
+        from triggerflow.wiring import serve_writer
 
-        stop = stop_on_signals()
-        db = await Database.connect(settings.database_dsn(), max_size=settings.db_pool_size,
-                                    pgbouncer=settings.pgbouncer)
-        broker = Broker(settings.amqp_dsn(), Topology(settings.namespace), name="triggerflow-writer")
-        try:
-            return await Writer(settings, db, broker).run(stop)
-        finally:
-            await db.close()
+        return await serve_writer(settings, stop_on_signals())
 
     sys.exit(run_async(go()))
 

@@ -27,23 +27,25 @@ from urllib.parse import unquote, urlsplit
 import click
 
 from triggerflow.model import TaskKey
-from triggerflow.postgres import (
+from triggerflow.settings import Settings
+from triggerflow.store.postgres import Database
+from triggerflow.store.postgres.admin import (
     ALL_QUEUES,
     HEALTH,
     LIVE_OWNERS,
     LIVE_WRITERS,
     QUARANTINED,
-    QUEUE_CONSUMERS,
     REQUEUE_IDLE,
     SHOW_TRIGGER,
     STATUS_CONSUMERS,
     STATUS_OVERDUE,
     STATUS_QUEUES,
     UNQUARANTINE_SAFE,
-    Database,
 )
-from triggerflow.rabbitmq import Broker, Topology
-from triggerflow.settings import Settings
+from triggerflow.store.postgres.statements import QUEUE_CONSUMERS
+from triggerflow.transport import QueueInfo
+from triggerflow.transport.rabbitmq import RabbitTransport, Topology
+from triggerflow.wiring import rabbit_transport
 
 log = logging.getLogger(__name__)
 
@@ -77,17 +79,17 @@ async def _connect_db(settings: Settings) -> Database:
                                   pgbouncer=settings.pgbouncer)
 
 
-def _broker(settings: Settings, name: str) -> Broker:
-    return Broker(settings.amqp_dsn(), Topology(settings.namespace), name=name)
+def _broker(settings: Settings, name: str) -> RabbitTransport:
+    return rabbit_transport(settings, name=name)
 
 
 async def shell_defer(settings: Settings, queue: str, classpath: str, kwargs: dict[str, Any],
                       count: int, trigger_timeout: float | None, dag_id: str,
                       batch: int) -> list[int]:
-    from triggerflow.loader import KwargsCodec, TriggerLoader
+    from triggerflow.loader import TriggerLoader
     from triggerflow.sdk import Deferral, TriggerflowClient
 
-    trigger = TriggerLoader(settings.allowed_modules, KwargsCodec()).resolve(classpath)(**kwargs)
+    trigger = TriggerLoader(settings.allowed_modules).resolve(classpath)(**kwargs)
     run_id = f"cli-{uuid.uuid4().hex[:12]}"
     ids: list[int] = []
     async with TriggerflowClient(settings) as client:
@@ -117,7 +119,7 @@ async def collect_status(settings: Settings) -> dict[str, Any]:
     names = set(queues) | set(settings.queues)
     for c in consumers:
         names.update(c["queues"])
-    broker_info: dict[str, tuple[int, int] | None] = {}
+    broker_info: dict[str, QueueInfo | None] = {}
     broker_error = None
     try:
         broker = _broker(settings, "triggerflow-status")
@@ -342,7 +344,7 @@ class QueueGauges:
 
     async def _main(self) -> None:
         db: Database | None = None
-        broker: Broker | None = None
+        broker: RabbitTransport | None = None
         failing = False
         while not self._stop.is_set():
             try:
@@ -372,7 +374,7 @@ class QueueGauges:
                     await closer
 
     async def poll(
-        self, db: Database, broker: Broker
+        self, db: Database, broker: RabbitTransport
     ) -> dict[str, tuple[int | None, int | None, int | None]]:
         """{queue: (depth, subscribers, live consumers)}; None where the broker has no queue."""
         queues = list(self.settings.queues)

@@ -27,11 +27,11 @@ from triggerflow.examples.operators import TriggerOperator, WaitUntilOperator
 from triggerflow.examples.triggers import FailingTrigger, TaskEndTrigger
 from triggerflow.host import BaseOperator, Host
 from triggerflow.model import TaskKey
-from triggerflow.postgres import Database, ensure_database, upgrade_schema
-from triggerflow.rabbitmq import Broker, Topology
 from triggerflow.sdk import TriggerflowClient
 from triggerflow.settings import Settings
+from triggerflow.store.postgres import Database, ensure_database, upgrade_schema
 from triggerflow.triggers import FileTrigger
+from triggerflow.wiring import make_transport
 
 TEAMS = ("team-ml", "team-data-eng")
 FINAL = ("success", "failed", "skipped")
@@ -90,10 +90,10 @@ async def _demo(settings: Settings, tasks: int, keep_running: bool) -> int:
     try:
         await ensure_database(dsn)
         await asyncio.to_thread(upgrade_schema, dsn)
-        broker = Broker(settings.amqp_dsn(), Topology(settings.namespace), name="demo")
-        await broker.connect()
-        await broker.declare(list(TEAMS))
-        await broker.close()
+        transport = make_transport(settings, name="demo")
+        await transport.connect()
+        await transport.declare(list(TEAMS))
+        await transport.close()
     except Exception as exc:
         console.print(f"[red]cannot reach PostgreSQL/RabbitMQ:[/] {exc}\n"
                       "Start them (`make services`) or set TRIGGERFLOW_DATABASE_URL / "

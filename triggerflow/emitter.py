@@ -12,10 +12,10 @@ import logging
 import time
 from collections import defaultdict
 
-from triggerflow.rabbitmq import Broker
 from triggerflow.settings import Settings
 from triggerflow.telemetry import get_metrics
-from triggerflow.wire import Event, encode_events
+from triggerflow.transport import Transport
+from triggerflow.wire import Event
 
 log = logging.getLogger(__name__)
 
@@ -26,8 +26,8 @@ class EventSink:
     Publishes several messages in flight and keeps events buffered while the broker is down.
     """
 
-    def __init__(self, broker: Broker, settings: Settings) -> None:
-        self.broker = broker
+    def __init__(self, transport: Transport, settings: Settings) -> None:
+        self.transport = transport
         self.batch = settings.event_batch
         self.linger = settings.event_linger
         self._buffer: list[Event] = []
@@ -59,8 +59,7 @@ class EventSink:
 
     async def _publish(self, queue: str, events: list[Event]) -> None:
         try:
-            await self.broker.publish(self.broker.topology.events, queue, encode_events(events),
-                                      user_id=self.broker.user)
+            await self.transport.publish_events(queue, events)
         except Exception as exc:  # keep the events; they go out after the reconnect
             log.warning("publishing %d events failed (%r); will retry", len(events), exc)
             self._buffer[:0] = events

@@ -16,8 +16,9 @@ from datetime import timedelta
 from typing import Any
 
 from triggerflow.model import FAIL_METHOD, TaskKey, TaskState
-from triggerflow.postgres import FINISH_TASKS, PICK_SCHEDULED, Database
 from triggerflow.sdk import Deferral, TriggerflowClient
+from triggerflow.store.postgres import Database
+from triggerflow.store.postgres.admin import FINISH_TASKS, PICK_SCHEDULED
 from triggerflow.triggers.base import BaseTrigger
 from triggerflow.wire import decode_json, encode_json
 

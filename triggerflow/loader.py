@@ -1,52 +1,16 @@
-"""Turns a trigger row (classpath, kwargs text) into a trigger object, or says why not.
+"""Turns a claimed :class:`~triggerflow.store.TriggerSpec` into a trigger object, or says why not.
 
-The allow-list is checked on the string before anything is imported; kwargs may be
-encrypted at rest (Fernet) when a key is configured, as Airflow encrypts them.
+The allow-list is checked on the string before anything is imported. Kwargs arrive decoded
+by the store (each mode stores them its own way), or with the reason they could not be.
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import Any
 
 from triggerflow.model import is_allowed
+from triggerflow.store.interface import KwargsProblem, TriggerSpec
 from triggerflow.triggers.base import BaseTrigger
-from triggerflow.wire import decode_json, encode_json
-
-ENCRYPTED_PREFIX = "fernet:"
-
-
-class MissingKey(ValueError):
-    """Encrypted kwargs and no key here: another consumer of the queue may have it."""
-
-
-class KwargsCodec:
-    """JSON text, or ``fernet:<token>`` when a key is set. Reads both, so a key can be added."""
-
-    def __init__(self, key: str | None = None) -> None:
-        self._fernet: Any = None
-        if key:
-            from cryptography.fernet import Fernet
-
-            self._fernet = Fernet(key.encode())
-
-    def encode(self, kwargs: dict[str, Any]) -> str:
-        text = encode_json(kwargs)
-        if self._fernet is None:
-            return text
-        token: bytes = self._fernet.encrypt(text.encode())
-        return ENCRYPTED_PREFIX + token.decode()
-
-    def decode(self, stored: str) -> dict[str, Any]:
-        if stored.startswith(ENCRYPTED_PREFIX):
-            if self._fernet is None:
-                raise MissingKey("kwargs are encrypted but this process has no kwargs_key")
-            plain: bytes = self._fernet.decrypt(stored[len(ENCRYPTED_PREFIX):].encode())
-            stored = plain.decode()
-        value = decode_json(stored)
-        if not isinstance(value, dict):
-            raise ValueError(f"kwargs must be a JSON object, got {type(value).__name__}")
-        return value
 
 
 class Disallowed(Exception):
@@ -62,9 +26,14 @@ class BadKwargs(Exception):
 
 
 class TriggerLoader:
-    def __init__(self, allowed_modules: list[str], codec: KwargsCodec) -> None:
+    """Resolves allowed classes (cached) and builds triggers from claimed specs.
+
+    ``build`` raises :class:`Disallowed` (fail the task), :class:`Unloadable` (another
+    consumer may load it) or :class:`BadKwargs` (fail the task).
+    """
+
+    def __init__(self, allowed_modules: list[str]) -> None:
         self.allowed_modules = allowed_modules
-        self.codec = codec
         self._classes: dict[str, type[BaseTrigger]] = {}
 
     def resolve(self, classpath: str) -> type[BaseTrigger]:
@@ -87,11 +56,14 @@ class TriggerLoader:
         self._classes[classpath] = found
         return found
 
-    def build(self, classpath: str, stored_kwargs: str) -> BaseTrigger:
-        cls = self.resolve(classpath)
+    def build(self, spec: TriggerSpec) -> BaseTrigger:
+        cls = self.resolve(spec.classpath)
+        problem = spec.kwargs_error
+        if problem is not None:
+            if problem.problem is KwargsProblem.UNREADABLE_HERE:
+                raise Unloadable(f"cannot decrypt kwargs of {spec.classpath}: {problem.message}")
+            raise BadKwargs(f"kwargs do not build {spec.classpath}: {problem.message}")
         try:
-            return cls(**self.codec.decode(stored_kwargs))
-        except MissingKey as exc:
-            raise Unloadable(f"cannot decrypt kwargs of {classpath}: {exc}") from exc
+            return cls(**(spec.kwargs or {}))
         except Exception as exc:
-            raise BadKwargs(f"kwargs do not build {classpath}: {exc!r}") from exc
+            raise BadKwargs(f"kwargs do not build {spec.classpath}: {exc!r}") from exc

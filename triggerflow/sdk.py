@@ -1,10 +1,11 @@
 """The embedded publisher SDK: what operators call to defer.
 
-``defer`` writes the trigger row and moves the task instance to ``deferred`` in one
-statement (one transaction), then publishes a persistent, mandatory wake-up with publisher
-confirms to ``<namespace>.deferrals`` (routing key = team queue). Postgres is the record: a
-publish lost after the commit is re-sent by the reaper, so only a failed *write* (or an
-unroutable queue) raises. Connections are reused, capped, and dropped in forked children.
+``defer`` records the trigger and moves the task instance to ``deferred`` in one store
+transaction, then publishes a confirmed wake-up to the task's team queue. The store is the
+record: a publish lost after the commit is re-sent by the reaper, so only a failed *write*
+(or an unroutable queue) raises. Connections are reused, capped, and dropped in forked
+children. Knows the store and the transport only by interface; the real ones come from
+``triggerflow.wiring`` unless a ``connect`` function is given (tests pass in-memory ones).
 """
 
 from __future__ import annotations
@@ -15,25 +16,21 @@ import os
 import threading
 import weakref
 from collections import defaultdict
-from collections.abc import Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, TypeVar
 
-from triggerflow.loader import KwargsCodec
+from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential_jitter
+
+from triggerflow.codec import KwargsCodec
 from triggerflow.model import TaskKey, is_allowed
-from triggerflow.postgres import CANCEL, DB_DISCONNECTED, DEFER, UNDO_DEFER, Database
-from triggerflow.rabbitmq import (
-    CONNECTION_ERRORS,
-    Broker,
-    RefusedError,
-    Topology,
-    UnroutableError,
-)
 from triggerflow.settings import Settings
+from triggerflow.store import NewDeferral, Store, StoreUnavailable
 from triggerflow.telemetry import current_traceparent, tracer
+from triggerflow.transport import PublishRefused, Transport, TransportUnavailable, Unroutable
 from triggerflow.triggers.base import BaseTrigger
-from triggerflow.wire import encode_control, encode_json
+from triggerflow.wire import encode_json
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -41,6 +38,17 @@ T = TypeVar("T")
 
 class DeferralError(ValueError):
     """A deferral refused before anything was written (bad queue, kwargs, class...)."""
+
+
+# (settings, max store connections) -> a connected store and an unconnected transport.
+Connect = Callable[[Settings, int], Awaitable[tuple[Store, Transport]]]
+
+
+async def _connect_real(settings: Settings, max_connections: int) -> tuple[Store, Transport]:
+    from triggerflow.wiring import connect_store, make_transport
+
+    store = await connect_store(settings, max_size=max_connections)
+    return store, make_transport(settings, name="triggerflow-sdk")
 
 
 @dataclass
@@ -72,51 +80,60 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class TriggerflowClient:
-    """Async SDK client. Create one per process and reuse it.
+    """Async SDK client. Create one per process and reuse it (``async with`` closes it).
 
-    ``max_connections`` caps the PostgreSQL pool; one AMQP connection is shared. Safe across
+    ``max_connections`` caps the store's pool; one broker connection is shared. Safe across
     ``fork()``: a child never reuses the parent's sockets, it reconnects on first use.
+    ``connect`` replaces the real store and transport (``triggerflow.wiring``), e.g. by the
+    in-memory ones of ``triggerflow.testing``.
+
+    Raises, from ``defer``/``defer_many``: :class:`DeferralError` (nothing written: bad queue
+    name, class outside ``allowed_modules``, kwargs not JSON or too big, a task twice in one
+    batch); :class:`~triggerflow.transport.Unroutable` (the queue does not exist, or the
+    broker returned the wake-up; the deferral is undone and its task failed);
+    :class:`~triggerflow.transport.PublishRefused` (this user may not publish to the queue;
+    undone likewise); :class:`~triggerflow.store.StoreError` (the write failed, after
+    riding out a store restart for about two seconds). A wake-up lost to a broker outage
+    after the write does not raise: the reaper re-sends it.
     """
 
-    def __init__(self, settings: Settings | None = None, *, max_connections: int = 2) -> None:
+    def __init__(self, settings: Settings | None = None, *, max_connections: int = 2,
+                 connect: Connect | None = None) -> None:
         self.settings = settings or Settings()
         self.max_connections = max_connections
-        self.topology = Topology(self.settings.namespace)
         self.codec = KwargsCodec(
             self.settings.kwargs_key.get_secret_value() if self.settings.kwargs_key else None
         )
-        self._db: Database | None = None
-        self._broker: Broker | None = None
+        self._connect_fn = connect or _connect_real
+        self._store: Store | None = None
+        self._transport: Transport | None = None
         self._lock: asyncio.Lock | None = None
         self._routable: set[str] = set()
         _clients.add(self)
 
     def _forget_connections(self) -> None:
-        self._db = None
-        self._broker = None
+        self._store = None
+        self._transport = None
         self._lock = None
         self._routable.clear()
 
-    async def _connect(self) -> tuple[Database, Broker]:
+    async def _connect(self) -> tuple[Store, Transport]:
         if self._lock is None:
             self._lock = asyncio.Lock()
         async with self._lock:
-            if self._db is None:
-                self._db = await Database.connect(
-                    self.settings.database_dsn(), max_size=self.max_connections,
-                    pgbouncer=self.settings.pgbouncer,
-                )
-            if self._broker is None or not self._broker.is_open:
-                broker = Broker(self.settings.amqp_dsn(), self.topology, name="triggerflow-sdk")
-                await broker.connect()
-                self._broker = broker
-            return self._db, self._broker
+            if self._store is None or self._transport is None:
+                self._store, self._transport = await self._connect_fn(
+                    self.settings, self.max_connections)
+            if not self._transport.is_open:
+                await self._transport.connect()
+            return self._store, self._transport
 
     async def close(self) -> None:
-        if self._broker is not None:
-            await self._broker.close()
-        if self._db is not None:
-            await self._db.close()
+        """Close the connections; the client reconnects if used again."""
+        if self._transport is not None:
+            await self._transport.close()
+        if self._store is not None:
+            await self._store.close()
         self._forget_connections()
 
     async def __aenter__(self) -> TriggerflowClient:
@@ -137,72 +154,80 @@ class TriggerflowClient:
         kwargs: dict[str, Any] | None = None,
         timeout: timedelta | float | None = None,
     ) -> int:
-        """Defer one task; returns the trigger id once the deferral is durable."""
+        """Defer one task; returns the trigger id once the deferral is durable.
+
+        ``timeout`` (a timedelta or seconds; capped at ``max_deferral``) fails the task with
+        ``__fail__`` if the trigger has not fired by then. Raises as the class says.
+        """
         ids = await self.defer_many(
             [Deferral(task, trigger, queue, method_name, kwargs or {}, timeout)]
         )
         return ids[0]
 
     async def defer_many(self, deferrals: Sequence[Deferral]) -> list[int]:
-        """Defer many tasks in one statement and one wake-up message per queue."""
+        """Defer many tasks in one store transaction and one wake-up message per queue.
+
+        All or nothing: a :class:`DeferralError` for any item writes none of them.
+        Returns the trigger ids in the order of ``deferrals``.
+        """
         if not deferrals:
             return []
-        columns = self._validate(deferrals)
         with tracer.start_as_current_span(
             "triggerflow.defer", attributes={"triggerflow.count": len(deferrals)}
         ):
             traceparent = current_traceparent()
-            columns.append([traceparent] * len(deferrals))
-            db, broker = await self._connect()
-            await self._check_routable(broker, {d.queue for d in deferrals})
-            ids = await self._record(db, columns)
+            rows = self._validate(deferrals, traceparent)
+            store, transport = await self._connect()
+            await self._check_routable(transport, {d.queue for d in deferrals})
+            ids = await self._record(store, rows)
             by_queue: dict[str, list[int]] = defaultdict(list)
             for d, trigger_id in zip(deferrals, ids, strict=True):
                 by_queue[d.queue].append(trigger_id)
             try:
-                await broker.publish_wakeups(by_queue, traceparent=traceparent)
-            except (UnroutableError, RefusedError) as exc:
+                await transport.publish_wakeups(by_queue, traceparent=traceparent)
+            except (Unroutable, PublishRefused) as exc:
                 # Not a lost publish but a refused one: undo, so the error is the whole truth.
-                await db.execute(UNDO_DEFER, ids, f"deferral not published: {exc}")
+                await store.undo_defer(ids, f"deferral not published: {exc}")
                 self._routable.clear()
-                if isinstance(exc, RefusedError):
-                    self._broker = None  # the broker closed the channel
+                if isinstance(exc, PublishRefused):
+                    await transport.close()  # the broker closed the channel
                 raise
-            except CONNECTION_ERRORS as exc:
+            except TransportUnavailable as exc:
                 # Durable already: the reaper re-sends unclaimed triggers after its grace.
                 log.warning("wake-up publish failed (%r); the reaper will re-send %d triggers",
                             exc, len(ids))
-                self._broker = None
+                await transport.close()
         return ids
 
     @staticmethod
-    async def _record(db: Database, columns: list[list[Any]]) -> list[int]:
-        """Write the deferral; ride out a database restart (a pool's dead connection).
+    async def _record(store: Store, rows: list[NewDeferral]) -> list[int]:
+        """Write the deferral; ride out a store restart (a pool's dead connection).
 
         A retry after a commit whose answer was lost leaves one spare trigger row, which the
         task no longer points at: it fires into nothing and the writer deletes it.
         """
-        for attempt in range(4):
-            try:
-                return [r["id"] for r in await db.fetch(DEFER, *columns)]
-            except DB_DISCONNECTED:
-                if attempt == 3:
-                    raise
-                await asyncio.sleep(0.25 * 2**attempt)
-        raise AssertionError("unreachable")
+        ids: list[int] = []
+        async for attempt in AsyncRetrying(
+            retry=retry_if_exception_type(StoreUnavailable), stop=stop_after_attempt(4),
+            wait=wait_exponential_jitter(multiplier=0.25, max=2, jitter=0.1), reraise=True,
+        ):
+            with attempt:
+                ids = await store.defer(rows)
+        return ids
 
-    async def _check_routable(self, broker: Broker, queues: set[str]) -> None:
+    async def _check_routable(self, transport: Transport, queues: set[str]) -> None:
         for queue in queues - self._routable:
-            if await broker.queue_info(queue) is None:
-                raise UnroutableError(
+            if await transport.queue_info(queue) is None:
+                raise Unroutable(
                     f"queue {queue!r} does not exist: run `triggerflow topology apply "
                     f"--queue {queue}` (or defer to an existing team queue)"
                 )
             self._routable.add(queue)
 
-    def _validate(self, deferrals: Sequence[Deferral]) -> list[list[Any]]:
+    def _validate(self, deferrals: Sequence[Deferral],
+                  traceparent: str | None) -> list[NewDeferral]:
         s = self.settings
-        cols: list[list[Any]] = [[] for _ in range(10)]
+        rows: list[NewDeferral] = []
         seen: set[TaskKey] = set()
         for d in deferrals:
             if d.task in seen:
@@ -228,38 +253,45 @@ class TriggerflowClient:
                 raise DeferralError("next kwargs contain a NUL character")
             timeout = d.timeout.total_seconds() if isinstance(d.timeout, timedelta) else d.timeout
             timeout = s.max_deferral if timeout is None else min(float(timeout), s.max_deferral)
-            for col, value in zip(cols, (
+            rows.append(NewDeferral(
                 d.task.dag_id, d.task.task_id, d.task.run_id, d.task.map_index, classpath,
-                stored, d.queue, d.method_name, next_kwargs, timeout,
-            ), strict=True):
-                col.append(value)
-        return cols
+                stored, d.queue, d.method_name, next_kwargs, timeout, traceparent))
+        return rows
 
     # -- cancel --------------------------------------------------------------------------
 
     async def cancel(self, trigger_ids: list[int], *, state: str = "removed") -> int:
-        """Move the tasks out of ``deferred`` and stop their triggers on whoever runs them."""
-        db, broker = await self._connect()
-        rows = await db.fetch(CANCEL, trigger_ids, state)
+        """Move the tasks out of ``deferred`` (to ``state``) and stop their triggers on
+        whoever runs them; returns how many tasks moved. A control message that cannot be
+        sent does not raise: the owner's periodic sweep cancels the trigger instead.
+        Raises :class:`~triggerflow.store.StoreError` when the store write fails."""
+        store, transport = await self._connect()
+        cancelled = await store.cancel(trigger_ids, state)
         by_owner: dict[int, list[int]] = defaultdict(list)
-        for r in rows:
-            if r["owner_id"] is not None:
-                by_owner[r["owner_id"]].append(r["id"])
+        for c in cancelled:
+            if c.owner is not None:
+                by_owner[c.owner].append(c.id)
         for owner, ids in by_owner.items():
             try:
-                await broker.publish(self.topology.control, str(owner),
-                                     encode_control("cancel", ids), mandatory=False)
-            except CONNECTION_ERRORS:
+                await transport.publish_control(owner, "cancel", ids)
+            except TransportUnavailable:
                 log.warning("control message to consumer %s failed; its sweep will cancel", owner)
-        return sum(1 for r in rows if r["moved"])
+        return sum(1 for c in cancelled if c.moved)
 
 
 class SyncClient:
-    """Blocking facade for non-async code (prefork workers): a private loop in a thread."""
+    """Blocking facade for non-async code (prefork workers): a private loop in a thread.
 
-    def __init__(self, settings: Settings | None = None, *, max_connections: int = 2) -> None:
+    Same methods and errors as :class:`TriggerflowClient`, each blocking until done; the
+    errors are raised in the calling thread. Safe across ``fork()`` (the child starts its
+    own loop thread). Call ``close()`` when done.
+    """
+
+    def __init__(self, settings: Settings | None = None, *, max_connections: int = 2,
+                 connect: Connect | None = None) -> None:
         self._settings = settings
         self._max = max_connections
+        self._connect_fn = connect
         self._start()
         _sync_clients.add(self)
 
@@ -268,7 +300,8 @@ class SyncClient:
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
                                         name="triggerflow-sdk")
         self._thread.start()
-        self._client = TriggerflowClient(self._settings, max_connections=self._max)
+        self._client = TriggerflowClient(self._settings, max_connections=self._max,
+                                         connect=self._connect_fn)
 
     def _call(self, coro: Coroutine[Any, Any, T]) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()

@@ -1,9 +1,10 @@
-"""The DB writer: batch events by size or age -> one statement -> ack.
+"""The writer: events in -> batches -> one store transaction each -> one ack per batch.
 
-Batching is natural: while one batch is being applied the next accumulates, so an idle
-writer applies an event at once and a loaded one applies thousands per statement. Acks go
-out only after the statement committed. A batch the database refuses is split in halves
-until the bad event is found; that one is dead-lettered with the reason and the rest applied.
+A batch is whatever arrived while the previous one was applied, up to ``writer_batch``
+events: an idle writer applies an event at once, a loaded one thousands per statement.
+Acks go out only after the commit. A batch the store refuses is split in halves until the
+bad event is found; that one is dead-lettered with the reason and the rest applied.
+Knows the store and the transport only by interface.
 """
 
 from __future__ import annotations
@@ -11,68 +12,72 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
-import socket
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
-import asyncpg
-from aio_pika.abc import AbstractIncomingMessage
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_exponential_jitter
 
-from triggerflow import __version__
+from triggerflow.consumer.lease import Lease
 from triggerflow.model import EventKind, FailureReason
-from triggerflow.postgres import APPLY_EVENTS, DB_DISCONNECTED, Database
-from triggerflow.rabbitmq import Broker
 from triggerflow.reaper import Reaper
 from triggerflow.runner import failure
 from triggerflow.settings import Settings
+from triggerflow.store import Applied, EventRefused, ProcessKind, Store, StoreError, StoreUnavailable
 from triggerflow.telemetry import context_from, get_metrics, tracer, tracing_enabled
+from triggerflow.transport import Delivery, Transport
+from triggerflow.transport.subscriptions import Subscriptions
 from triggerflow.wire import Event, WireError, decode_events, encode_events, encode_json
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
-class Delivery:
+class Received:
     """One event message: its events, or why it is dead-lettered instead."""
 
-    message: AbstractIncomingMessage
+    message: Delivery
     events: list[Event]
     reject: str | None = None
     forged: list[Event] = field(default_factory=list)
 
-RETRYABLE = (asyncpg.DeadlockDetectedError, asyncpg.SerializationError)
+
+def _log_unavailable(state: RetryCallState) -> None:
+    exc = state.outcome.exception() if state.outcome else None
+    log.warning("database unavailable (%r); retrying the batch", exc)
 
 
 class Writer:
-    """Consumes ``<namespace>.events`` and applies events to ``task_instance``.
+    """Consumes the events queue and applies events through the store.
 
     Settings: ``writer_batch`` (max events per statement), ``writer_prefetch`` (unacked
     messages), ``team_users`` (queue -> the only AMQP user allowed to publish its events).
     """
 
-    def __init__(self, settings: Settings, db: Database, broker: Broker) -> None:
+    def __init__(self, settings: Settings, store: Store, transport: Transport) -> None:
         self.settings = settings
-        self.db = db
-        self.broker = broker
-        self.reaper = Reaper(db, broker, settings.model_copy(update={"queues": []}))
+        self.store = store
+        self.transport = transport
+        self.reaper = Reaper(store, transport, settings.model_copy(update={"queues": []}))
+        self.lease = Lease(store, ProcessKind.WRITER, ttl=max(settings.lease_ttl, 10.0),
+                           renew_interval=max(settings.renew_interval, 1.0))
+        self.subscriptions = Subscriptions(
+            transport, prefetch=settings.writer_prefetch,
+            check_interval=settings.subscription_check_interval, renew=False)
         self.metrics = get_metrics()
-        self._inbox: asyncio.Queue[AbstractIncomingMessage] = asyncio.Queue()
-        self.me = 0
+        self._inbox: asyncio.Queue[Delivery] = asyncio.Queue()
+        self._busy = False
         self.applied_total = 0
+
+    async def _receive(self, message: Delivery) -> None:
+        self._inbox.put_nowait(message)
 
     async def run(self, stop: asyncio.Event) -> int:
         """Apply events until ``stop`` is set (0) or a lifecycle task crashed (1)."""
-        while not self.me:
-            try:
-                await self._register()
-            except (OSError, asyncpg.PostgresError) as exc:
-                log.warning("cannot register (%r); retrying", exc)
-                await asyncio.sleep(1)
+        await self.lease.register()
         loop = asyncio.get_running_loop()
+        self.subscriptions.add_events(self._receive)
         tasks = [
-            loop.create_task(self._broker_loop(), name="broker"),
+            loop.create_task(self.subscriptions.run(on_lost=self._drain_inbox), name="broker"),
             loop.create_task(self._apply_loop(), name="apply"),
             loop.create_task(self._heartbeat_loop(), name="heartbeat"),
         ]
@@ -91,49 +96,16 @@ class Writer:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         with contextlib.suppress(Exception):
-            await self.db.unregister(self.me)
-        await self.broker.close()
+            await self.lease.leave()
+        await self.transport.close()
         return 1 if crashed else 0
-
-    async def _register(self) -> None:
-        self.me = await self.db.register(
-            "writer", socket.gethostname(), os.getpid(), [], 0, __version__,
-            max(self.settings.lease_ttl, 10.0))
 
     async def _idle(self) -> None:
         while not self._inbox.empty() or self._busy:  # noqa: ASYNC110 - polled only at shutdown
             await asyncio.sleep(0.05)
 
-    _busy = False
-
-    async def _broker_loop(self) -> None:
-        backoff = 0.5
-        while True:
-            try:
-                await self.broker.connect()
-                _, tag = await self.broker.subscribe(
-                    self.broker.topology.events_queue, self._inbox.put,
-                    prefetch=self.settings.writer_prefetch,
-                )
-                backoff = 0.5
-                while self.broker.is_open:
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self.broker.closed.wait(),
-                                               self.settings.subscription_check_interval)
-                    if self.broker.is_open and not await self.broker.is_consuming(tag):
-                        log.warning("events subscription cancelled by the broker; re-subscribing")
-                        break
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                log.warning("broker unavailable (%r); retrying in %.1fs", exc, backoff)
-            # Deliveries not yet acked die with this channel and will be redelivered.
-            self._drain_inbox()
-            await self.broker.close()
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, 10)
-
     def _drain_inbox(self) -> None:
+        """Deliveries not yet acked died with the channel and will be redelivered."""
         while not self._inbox.empty():
             self._inbox.get_nowait()
 
@@ -142,12 +114,12 @@ class Writer:
         next_reap = 0.0
         loop = asyncio.get_running_loop()
         while True:
-            await asyncio.sleep(max(self.settings.renew_interval, 1.0))
+            await asyncio.sleep(self.lease.renew_interval)
             try:
-                renewed = await self.db.renew(self.me, max(self.settings.lease_ttl, 10.0), 0, [])
+                renewed = await self.store.renew(self.lease.me, self.lease.ttl, 0, [])
                 if renewed is None:
-                    await self._register()
-                if loop.time() >= next_reap and self.broker.is_open:
+                    await self.lease.register()
+                if loop.time() >= next_reap and self.transport.is_open:
                     next_reap = loop.time() + self.settings.reaper_interval
                     # Dead consumers are reaped by their live peers, which claim the freed
                     # triggers themselves; a re-send from here could land in a stalled
@@ -175,39 +147,38 @@ class Writer:
             finally:
                 self._busy = False
 
-    def _decode(self, message: AbstractIncomingMessage) -> Delivery:
+    def _decode(self, message: Delivery) -> Received:
         try:
             events = decode_events(message.body)
         except WireError as exc:
-            return Delivery(message, [], reject=str(exc))
+            return Received(message, [], reject=str(exc))
         owners = self.settings.team_users
         if not owners:
-            return Delivery(message, events)
+            return Received(message, events)
         kept: list[Event] = []
         forged: list[Event] = []
         for ev in events:
             owner = owners.get(ev.queue)
             (forged if owner is not None and owner != message.user_id else kept).append(ev)
-        return Delivery(message, kept, forged=forged)
+        return Received(message, kept, forged=forged)
 
-    async def _commit(self, batch: list[Delivery]) -> None:
-        """Apply, retrying while the database is down; ack only after the commit."""
-        events = [ev for d in batch for ev in d.events]
+    async def _commit(self, batch: list[Received]) -> None:
+        """Apply, retrying while the store is unreachable; ack only after the commit."""
+        events = self._dedupe([ev for d in batch for ev in d.events])
         started = time.perf_counter()
-        backoff = 0.2
-        while True:
-            try:
-                applied = await self._apply(self._dedupe(events))
-                break
-            except DB_DISCONNECTED as exc:
-                log.warning("database unavailable (%r); retrying batch of %d", exc, len(events))
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 5)
+        applied = 0
+        async for attempt in AsyncRetrying(
+            retry=retry_if_exception_type(StoreUnavailable),
+            wait=wait_exponential_jitter(multiplier=0.2, max=5, jitter=0.2),
+            before_sleep=_log_unavailable,
+        ):
+            with attempt:
+                applied = await self._apply(events)
         self.metrics.commit_time.record(time.perf_counter() - started)
         self.metrics.batch_size.record(len(events))
         for d in batch:
             if d.reject:
-                await self._dead_letter(d.message.body, d.reject, d.message.routing_key or "")
+                await self._dead_letter(d.message.body, d.reject, d.message.routing_key)
             for ev in d.forged:
                 await self._dead_letter(
                     encode_events([ev]),
@@ -225,52 +196,38 @@ class Writer:
         return sorted(seen.values(), key=lambda e: e.trigger_id)
 
     async def _apply(self, events: list[Event]) -> int:
-        """Apply a batch; split it to isolate events the database refuses."""
+        """Apply a batch; split it to isolate events the store refuses."""
         if not events:
             return 0
         try:
-            rows = await self._execute(events)
-        except (asyncpg.DataError, asyncpg.IntegrityConstraintViolationError) as exc:
+            applied = await self.store.apply_events(events)
+        except EventRefused as exc:
             if len(events) == 1:
-                ev = events[0]
-                await self._dead_letter(encode_events(events),
-                                        f"database refused event: {exc}", ev.queue)
-                if ev.kind == EventKind.FAIL:
-                    return 0
-                # Its trigger has fired and is forgotten: fail the task readably instead of
-                # leaving it deferred forever.
-                return await self._apply([Event(
-                    ev.trigger_id, ev.attempt, ev.queue, EventKind.FAIL,
-                    encode_json(failure(FailureReason.TRIGGER_FAILURE,
-                                        f"event dead-lettered: database refused it ({exc})")),
-                    ev.fired_at, ev.traceparent)])
+                return await self._refused(events[0], exc)
             mid = len(events) // 2
             return await self._apply(events[:mid]) + await self._apply(events[mid:])
-        self._record(rows, events)
-        return len(rows)
+        self._record(applied, events)
+        return len(applied)
 
-    async def _execute(self, events: list[Event]) -> list[Any]:
-        args = (
-            [e.trigger_id for e in events], [e.attempt for e in events],
-            [e.queue for e in events], [e.kind for e in events],
-            [e.payload for e in events], [e.fired_at for e in events],
-        )
-        for attempt in range(5):
-            try:
-                return await self.db.fetch(APPLY_EVENTS, *args)
-            except RETRYABLE:
-                if attempt == 4:
-                    raise
-                await asyncio.sleep(0.05 * (attempt + 1))
-        raise AssertionError("unreachable")
+    async def _refused(self, ev: Event, exc: StoreError) -> int:
+        await self._dead_letter(encode_events([ev]), f"database refused event: {exc}", ev.queue)
+        if ev.kind == EventKind.FAIL:
+            return 0
+        # Its trigger has fired and is forgotten: fail the task readably instead of leaving
+        # it deferred forever.
+        return await self._apply([Event(
+            ev.trigger_id, ev.attempt, ev.queue, EventKind.FAIL,
+            encode_json(failure(FailureReason.TRIGGER_FAILURE,
+                                f"event dead-lettered: database refused it ({exc})")),
+            ev.fired_at, ev.traceparent)])
 
-    def _record(self, rows: list[Any], events: list[Event]) -> None:
+    def _record(self, applied: list[Applied], events: list[Event]) -> None:
         m = self.metrics
-        for row in rows:
-            m.applied.add(1, {"kind": row["kind"], "queue": row["queue"]})
-            m.latency.record(max(0.0, row["latency"]), {"queue": row["queue"]})
-        if len(rows) < len(events):
-            m.ignored.add(len(events) - len(rows))
+        for a in applied:
+            m.applied.add(1, {"kind": a.kind, "queue": a.queue})
+            m.latency.record(max(0.0, a.latency), {"queue": a.queue})
+        if len(applied) < len(events):
+            m.ignored.add(len(events) - len(applied))
         if tracing_enabled():
             # One short span per traced event, child of its fire span: defer -> fire -> write.
             for ev in events:
@@ -286,5 +243,4 @@ class Writer:
         log.warning("dead-lettering event(s) from %s: %s", source, reason)
         self.metrics.dead_lettered.add(1, {"reason": reason.split(":")[0]})
         with contextlib.suppress(Exception):
-            await self.broker.dead_letter(body, reason, source=source)
-
+            await self.transport.dead_letter(body, reason, source=source)

@@ -208,10 +208,10 @@ async def cpu_percent(pids: list[int], seconds: float) -> list[float]:
 
 
 def _statement_names() -> dict[str, str]:
-    from triggerflow import consumer, postgres
+    from triggerflow.store.postgres import admin, statements
 
     names: dict[str, str] = {}
-    for module in (postgres, consumer):
+    for module in (statements, admin):
         for key, value in vars(module).items():
             if key.isupper() and isinstance(value, str) and re.search(
                     r"\b(SELECT|UPDATE|DELETE|INSERT)\b", value):

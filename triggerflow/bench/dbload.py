@@ -24,7 +24,7 @@ HOT = ("CLAIM", "RENEW", "REAP_DEAD", "REAP_DEAD (a dead owner)", "RESEND_UNCLAI
 
 
 async def _explain_all(b: Bench, me: int) -> list[dict[str, Any]]:
-    from triggerflow import postgres as pg
+    from triggerflow.store.postgres import statements as pg
     from triggerflow.wire import encode_json
 
     db = b.db()

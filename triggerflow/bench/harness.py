@@ -34,9 +34,9 @@ if TYPE_CHECKING:
     import asyncpg
     from rich.console import Console
 
-    from triggerflow.rabbitmq import Broker
     from triggerflow.sdk import TriggerflowClient
     from triggerflow.settings import Settings
+    from triggerflow.transport.rabbitmq import RabbitTransport
 
 @dataclass
 class Bench:
@@ -54,7 +54,7 @@ class Bench:
     per_role: bool = True
     procs: list[Proc] = field(default_factory=list)
     mon: asyncpg.Pool | None = None
-    broker: Broker | None = None
+    broker: RabbitTransport | None = None
     client: TriggerflowClient | None = None
     dbid: int = 0
     broker_losses: int = 0  # times the bench's broker connection dropped (broker restarted)
@@ -67,13 +67,13 @@ class Bench:
     def create(cls, settings: Settings, sizes: Sizes, console: Console, out: Path) -> Bench:
         from pydantic import SecretStr
 
-        from triggerflow.postgres import _with_database, database_name
+        from triggerflow.store.postgres import database_name, with_database
 
         dsn = settings.database_dsn()
         name = database_name(dsn)
         bench_db = name if name.endswith("_bench") else f"{name}_bench"
         ns = "tfbench" if settings.namespace == "triggerflow" else f"{settings.namespace}-bench"
-        admin = _with_database(dsn, bench_db)
+        admin = with_database(dsn, bench_db)
         allowed = [*settings.allowed_modules, "triggerflow.triggers", "triggerflow.bench"]
         bench_settings = settings.model_copy(update={
             "database_url": SecretStr(admin), "namespace": ns, "queues": [],
@@ -92,18 +92,18 @@ class Bench:
     async def setup(self) -> None:
         import asyncpg
 
-        from triggerflow.postgres import (
-            _with_database,
+        from triggerflow.sdk import TriggerflowClient
+        from triggerflow.store.postgres import (
             database_name,
             ensure_database,
             upgrade_schema,
+            with_database,
         )
-        from triggerflow.rabbitmq import Broker, Topology
-        from triggerflow.sdk import TriggerflowClient
+        from triggerflow.transport.rabbitmq import RabbitTransport, Topology
 
         name = database_name(self.admin_dsn)
         self.log(f"database {name}: recreating and migrating")
-        conn = await asyncpg.connect(_with_database(self.admin_dsn, "postgres"))
+        conn = await asyncpg.connect(with_database(self.admin_dsn, "postgres"))
         try:
             await conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
         finally:
@@ -117,7 +117,7 @@ class Bench:
         self.dbid = await self.mon.fetchval(
             "SELECT oid FROM pg_database WHERE datname = current_database()")
         await self._roles()
-        self.broker = Broker(self.settings.amqp_dsn(), Topology(self.namespace), name="bench")
+        self.broker = RabbitTransport(self.settings.amqp_dsn(), Topology(self.namespace), name="bench")
         await self.broker.connect()
         await self.broker.declare([self.queue, self.idle_queue])
         self.client = TriggerflowClient(self.role_settings("sdk"), max_connections=2)

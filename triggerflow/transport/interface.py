@@ -21,8 +21,7 @@ Contract shared by every implementation:
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from triggerflow.wire import Event
 
@@ -67,8 +66,7 @@ class Delivery(Protocol):
 DeliveryHandler = Callable[[Delivery], Awaitable[None]]
 
 
-@dataclass(frozen=True, slots=True)
-class QueueInfo:
+class QueueInfo(NamedTuple):
     ready: int  # messages waiting
     consumers: int
 

@@ -1,10 +1,13 @@
-"""RabbitMQ adapter: topology names, declarations, confirmed publishes, watched subscriptions.
+"""RabbitMQ adapter of :class:`~triggerflow.transport.Transport`: declarations, confirmed
+publishes, subscriptions whose loss can be seen.
 
 Names are derived from one namespace in one place (``Topology``) and mirrored in
 ``brokers/rabbitmq/definitions.json``; a test keeps the two in step, since RabbitMQ refuses
 a re-declare with other arguments. The connection is not "robust": each component runs its
-own reconnect loop and re-subscribes explicitly, because aio-pika's automatic restore has
-lost consumers before (aio-pika #231, #334, #536). Imports nothing from the database side.
+own reconnect loop and re-subscribes explicitly (``transport.subscriptions``), because
+aio-pika's automatic restore has lost consumers before (aio-pika #231, #334, #536). aio-pika's
+errors do not leave this module: they become the transport's own. Imports nothing from the
+database side.
 """
 
 from __future__ import annotations
@@ -12,10 +15,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import unquote, urlsplit
 
 import aio_pika
 import aiormq
@@ -24,12 +26,26 @@ from aio_pika.abc import (
     AbstractConnection,
     AbstractExchange,
     AbstractIncomingMessage,
-    AbstractQueue,
+)
+from yarl import URL
+
+from triggerflow.transport.interface import (
+    DeliveryHandler,
+    PublishRefused,
+    QueueInfo,
+    TransportUnavailable,
+    Unroutable,
+)
+from triggerflow.wire import (
+    HEADER_REASON,
+    HEADER_TRACEPARENT,
+    Event,
+    encode_control,
+    encode_events,
+    encode_wakeup,
 )
 
 log = logging.getLogger(__name__)
-
-DeliveryHandler = Callable[[AbstractIncomingMessage], Awaitable[None]]
 
 # Errors after which the connection (or channel) is gone and must be rebuilt.
 CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
@@ -42,12 +58,43 @@ CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
 )
 
 
-class UnroutableError(RuntimeError):
-    """The broker could not route a mandatory publish: no queue is bound for its key."""
 
 
-class RefusedError(RuntimeError):
-    """The broker refused a publish for this user (topic or write permission)."""
+@contextlib.asynccontextmanager
+async def _connection_errors() -> AsyncIterator[None]:
+    try:
+        yield
+    except CONNECTION_ERRORS as exc:
+        raise TransportUnavailable(repr(exc)) from exc
+
+
+class AmqpDelivery:
+    """A received AMQP message as a :class:`~triggerflow.transport.Delivery`."""
+
+    __slots__ = ("_message",)
+
+    def __init__(self, message: AbstractIncomingMessage) -> None:
+        self._message = message
+
+    @property
+    def body(self) -> bytes:
+        return self._message.body
+
+    @property
+    def routing_key(self) -> str:
+        return self._message.routing_key or ""
+
+    @property
+    def user_id(self) -> str | None:
+        return self._message.user_id
+
+    async def ack(self, *, multiple: bool = False) -> None:
+        async with _connection_errors():
+            await self._message.ack(multiple=multiple)
+
+    async def reject(self, *, requeue: bool = False) -> None:
+        async with _connection_errors():
+            await self._message.reject(requeue=requeue)
 
 
 @dataclass(frozen=True)
@@ -100,8 +147,8 @@ class Topology:
         }
 
 
-class Broker:
-    """One AMQP connection and one confirming channel, with the few operations we need."""
+class RabbitTransport:
+    """One AMQP connection and one confirming channel: the Transport on RabbitMQ."""
 
     def __init__(self, url: str, topology: Topology, *, name: str = "triggerflow") -> None:
         self.url = url
@@ -113,19 +160,25 @@ class Broker:
         self.closed = asyncio.Event()
         # The AMQP user, stamped as ``user_id`` on events: RabbitMQ rejects a user_id that is
         # not the connection's, so the writer can trust it to name the publishing team.
-        self.user = unquote(urlsplit(url).username or "guest")
+        self.user = URL(url).user or "guest"
 
     async def connect(self) -> None:
         self.closed.clear()
-        self.connection = await aio_pika.connect(
-            self.url, client_properties={"connection_name": self.name}
-        )
-        self.connection.close_callbacks.add(lambda *_: self.closed.set())
-        self.channel = await self.connection.channel(
-            publisher_confirms=True, on_return_raises=True
-        )
+        async with _connection_errors():
+            self.connection = await aio_pika.connect(
+                self.url, client_properties={"connection_name": self.name}
+            )
+            self.connection.close_callbacks.add(lambda *_: self.closed.set())
+            self.channel = await self.connection.channel(
+                publisher_confirms=True, on_return_raises=True
+            )
         self.channel.close_callbacks.add(lambda *_: self.closed.set())
         self._exchanges = {}
+
+    async def wait_closed(self, timeout: float) -> bool:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.closed.wait(), timeout)
+        return self.closed.is_set()
 
     async def close(self) -> None:
         if self.connection is not None and not self.connection.is_closed:
@@ -144,12 +197,12 @@ class Broker:
 
     def _channel(self) -> AbstractChannel:
         if self.channel is None or self.channel.is_closed:
-            raise aio_pika.exceptions.ChannelInvalidStateError("not connected")
+            raise TransportUnavailable("not connected")
         return self.channel
 
     # -- topology ------------------------------------------------------------------------
 
-    async def declare(self, team_queues: list[str], *, delivery_limit: int = 5) -> None:
+    async def declare(self, team_queues: Sequence[str], *, delivery_limit: int = 5) -> None:
         """Idempotently declare exchanges, team queues, the events queue and dead letters."""
         ch = self._channel()
         t = self.topology
@@ -173,23 +226,24 @@ class Broker:
             self._exchanges[name] = ex
         return ex
 
-    async def queue_info(self, name: str) -> tuple[int, int] | None:
-        """(messages ready, consumers) of a queue, or None when it does not exist.
+    async def queue_info(self, name: str) -> QueueInfo | None:
+        """Messages ready and consumers of a queue, or None when it does not exist.
 
         Uses a throwaway channel: a passive declare of a missing queue closes its channel.
         """
         if self.connection is None:
-            raise aio_pika.exceptions.ChannelInvalidStateError("not connected")
-        ch = await self.connection.channel(publisher_confirms=False)
-        try:
-            q = await ch.declare_queue(name, passive=True)
-            result = q.declaration_result
-            return int(result.message_count or 0), int(result.consumer_count or 0)
-        except aiormq.exceptions.ChannelNotFoundEntity:
-            return None
-        finally:
-            if not ch.is_closed:
-                await ch.close()
+            raise TransportUnavailable("not connected")
+        async with _connection_errors():
+            ch = await self.connection.channel(publisher_confirms=False)
+            try:
+                q = await ch.declare_queue(name, passive=True)
+                result = q.declaration_result
+                return QueueInfo(int(result.message_count or 0), int(result.consumer_count or 0))
+            except aiormq.exceptions.ChannelNotFoundEntity:
+                return None
+            finally:
+                if not ch.is_closed:
+                    await ch.close()
 
     # -- publishing ----------------------------------------------------------------------
 
@@ -204,7 +258,7 @@ class Broker:
         persistent: bool = True,
         user_id: str | None = None,
     ) -> None:
-        """Publish and wait for the broker's confirm; raise UnroutableError if returned."""
+        """Publish and wait for the broker's confirm; raise Unroutable if returned."""
         ex = await self.exchange(exchange)
         message = aio_pika.Message(
             body,
@@ -216,64 +270,76 @@ class Broker:
             user_id=user_id,
         )
         try:
-            await ex.publish(message, routing_key=routing_key, mandatory=mandatory)
+            async with _connection_errors():
+                await ex.publish(message, routing_key=routing_key, mandatory=mandatory)
         except aio_pika.exceptions.PublishError as exc:
-            raise UnroutableError(
+            raise Unroutable(
                 f"{exchange!r} could not route key {routing_key!r}: no queue is bound to it"
             ) from exc
         except aiormq.exceptions.ChannelAccessRefused as exc:
-            raise RefusedError(
+            raise PublishRefused(
                 f"broker refused publishing to {exchange!r} with key {routing_key!r}: {exc}"
             ) from exc
 
     # -- consuming -----------------------------------------------------------------------
 
-    async def subscribe(
-        self,
-        queue: str,
-        handler: DeliveryHandler,
-        *,
-        prefetch: int,
-        declare: dict[str, Any] | None = None,
-    ) -> tuple[AbstractQueue, str]:
-        """Start consuming ``queue``; returns the queue and the consumer tag.
+    async def _consume(self, queue: str, handler: DeliveryHandler, prefetch: int,
+                       **declare: Any) -> tuple[Any, str]:
+        async def deliver(message: AbstractIncomingMessage) -> None:
+            await handler(AmqpDelivery(message))
 
-        ``declare`` (keyword arguments of ``declare_queue``) declares the queue first; without
-        it the queue must exist (passive), so a typo never creates a queue nobody publishes to.
-        """
-        ch = self._channel()
-        await ch.set_qos(prefetch_count=prefetch)
-        if declare is not None:
-            q = await ch.declare_queue(queue, **declare)
-        else:
-            q = await ch.declare_queue(queue, passive=True)
-        tag = await q.consume(handler)
-        return q, tag
+        async with _connection_errors():
+            ch = self._channel()
+            await ch.set_qos(prefetch_count=prefetch)
+            # Without declare arguments the queue must exist (passive): a typo never creates
+            # a queue nobody publishes to.
+            q = await ch.declare_queue(queue, **(declare or {"passive": True}))
+            return q, await q.consume(deliver)
+
+    async def subscribe(self, queue: str, handler: DeliveryHandler, *, prefetch: int) -> str:
+        return (await self._consume(queue, handler, prefetch))[1]
+
+    async def subscribe_events(self, handler: DeliveryHandler, *, prefetch: int) -> str:
+        return await self.subscribe(self.topology.events_queue, handler, prefetch=prefetch)
+
+    async def subscribe_control(self, consumer_id: int, handler: DeliveryHandler, *,
+                                prefetch: int) -> str:
+        name = self.topology.control_queue(consumer_id)
+        q, tag = await self._consume(name, handler, prefetch, exclusive=True, auto_delete=True)
+        async with _connection_errors():
+            await q.bind(self.topology.control, str(consumer_id))
+        return tag
+
+    async def unsubscribe(self, tag: str) -> None:
+        async with _connection_errors():
+            underlay = await self._channel().get_underlay_channel()
+            await underlay.basic_cancel(tag)
 
     async def is_consuming(self, tag: str) -> bool:
         """False once the broker cancelled our consumer (queue deleted, failover...)."""
         if not self.is_open:
             return False
-        underlay: Any = await self._channel().get_underlay_channel()  # aiormq.Channel
+        async with _connection_errors():
+            underlay: Any = await self._channel().get_underlay_channel()  # aiormq.Channel
         return tag in underlay.consumers
 
+    # -- what the loops publish --------------------------------------------------------
+
     async def publish_wakeups(
-        self, ids_by_queue: dict[str, list[int]], *, chunk: int = 1000, rate: float | None = None,
-        traceparent: str | None = None,
+        self, ids_by_queue: Mapping[str, Sequence[int]], *, chunk: int = 1000,
+        rate: float | None = None, traceparent: str | None = None,
     ) -> None:
         """Publish wake-ups, ``chunk`` ids a message, at most ``rate`` ids a second.
 
         Chunking keeps each claim a bounded statement; the rate bound keeps a 100k reclaim
         from flooding peers so they starve their own renewals.
         """
-        from triggerflow.wire import HEADER_TRACEPARENT, encode_wakeup
-
         headers = {HEADER_TRACEPARENT: traceparent} if traceparent else None
         loop = asyncio.get_running_loop()
         started, sent = loop.time(), 0
         for queue, ids in ids_by_queue.items():
             for i in range(0, len(ids), chunk):
-                part = ids[i : i + chunk]
+                part = list(ids[i : i + chunk])
                 await self.publish(self.topology.deferrals, queue, encode_wakeup(part),
                                    headers=headers)
                 sent += len(part)
@@ -282,9 +348,15 @@ class Broker:
                     if ahead > 0:
                         await asyncio.sleep(ahead)
 
+    async def publish_events(self, queue: str, events: Sequence[Event]) -> None:
+        await self.publish(self.topology.events, queue, encode_events(list(events)),
+                           user_id=self.user)
+
+    async def publish_control(self, consumer_id: int, op: str, ids: Sequence[int]) -> None:
+        await self.publish(self.topology.control, str(consumer_id),
+                           encode_control(op, list(ids)), mandatory=False)
+
     async def dead_letter(self, body: bytes, reason: str, *, source: str) -> None:
         """Park an unusable message on the dead-letter exchange with a readable reason."""
-        from triggerflow.wire import HEADER_REASON
-
         await self.publish(self.topology.dead, source, body,
                            headers={HEADER_REASON: reason[:1000]}, mandatory=False)

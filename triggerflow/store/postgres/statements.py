@@ -1,97 +1,11 @@
-"""PostgreSQL adapter: the pool, schema upgrades, and every statement the hot paths run.
+"""The statements the hot paths run (SDK, consumer, writer, reaper), named after what they do.
 
-All SQL lives here, named after what it does. Hot statements are set-based (``unnest`` of
-arrays, one round trip per batch) and use database time only (``now()``), so leases never
-depend on a process's clock. Imports nothing from the broker side.
+Set-based (``unnest`` of arrays, one round trip per batch) and on database time only
+(``now()``), so leases never depend on a process's clock. Admin and host-side statements
+live in ``admin``; only ``store`` runs these.
 """
 
-from __future__ import annotations
-
-import asyncio
-import logging
-from collections.abc import Mapping
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
-from urllib.parse import urlsplit, urlunsplit
-
-import asyncpg
-
-log = logging.getLogger(__name__)
-
-# asyncpg ships no type information; rows are read as mappings of column name to value.
-Record = Mapping[str, Any]
-
-# Errors meaning "the database is unreachable or refused this statement right now".
-DB_ERRORS: tuple[type[BaseException], ...] = (
-    OSError, asyncpg.PostgresError, asyncpg.InterfaceError,
-)
-
-# The connection itself failed (server restarting, socket dropped): worth a retry.
-DB_DISCONNECTED: tuple[type[BaseException], ...] = (
-    OSError, asyncpg.InterfaceError, asyncpg.PostgresConnectionError,
-    asyncpg.CannotConnectNowError, asyncpg.AdminShutdownError,
-)
-
-# ----------------------------------------------------------------------------- schema
-
-
-def _with_database(dsn: str, database: str) -> str:
-    parts = urlsplit(dsn)
-    return urlunsplit(parts._replace(path=f"/{database}"))
-
-
-def database_name(dsn: str) -> str:
-    return urlsplit(dsn).path.lstrip("/") or "postgres"
-
-
-async def ensure_database(dsn: str) -> bool:
-    """Create the database named by ``dsn`` if it is missing. Returns True when created."""
-    name = database_name(dsn)
-    conn = await asyncpg.connect(_with_database(dsn, "postgres"))
-    try:
-        exists = await conn.fetchval("SELECT 1 FROM pg_database WHERE datname = $1", name)
-        if exists:
-            return False
-        quoted = '"' + name.replace('"', '""') + '"'
-        await conn.execute(f"CREATE DATABASE {quoted}")
-        return True
-    finally:
-        await conn.close()
-
-
-def upgrade_schema(dsn: str, revision: str = "head") -> None:
-    """Apply the Alembic migrations shipped in ``triggerflow/migrations`` (blocking)."""
-    from alembic import command
-    from alembic.config import Config
-
-    cfg = Config()
-    cfg.set_main_option("script_location", str(Path(__file__).with_name("migrations")))
-    url = dsn.replace("postgresql://", "postgresql+asyncpg://", 1)
-    cfg.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
-    command.upgrade(cfg, revision)
-
-
-async def _keep_session(conn: asyncpg.Connection) -> None:
-    """Release without asyncpg's reset query (``SELECT pg_advisory_unlock_all(); CLOSE ALL;
-    UNLISTEN *; RESET ALL``): four statements and a round trip after every call. Nothing here
-    leaves session state behind; asyncpg still rolls back a transaction left open."""
-
-
-async def create_pool(dsn: str, *, max_size: int = 4, pgbouncer: bool = False) -> asyncpg.Pool:
-    """A bounded pool. Behind PgBouncer (transaction mode) prepared statements are not cached."""
-    return await asyncpg.create_pool(
-        dsn,
-        min_size=1,
-        max_size=max_size,
-        statement_cache_size=0 if pgbouncer else 256,
-        command_timeout=60,
-        server_settings={"application_name": "triggerflow"},
-        reset=_keep_session,
-    )
-
-
-# ----------------------------------------------------------------------------- SDK
+# -- SDK
 
 DEFER = """
 WITH input AS (
@@ -131,7 +45,33 @@ UPDATE task_instance SET state = 'failed', trigger_id = NULL, trigger_timeout = 
 WHERE trigger_id IN (SELECT id FROM gone) AND state = 'deferred'
 """
 
-# ----------------------------------------------------------------------------- consumer
+# Cancel: the task leaves 'deferred' now; the trigger row goes at once when nobody runs it,
+# else its owner cancels it (control message, or its sweep) and deletes it.
+CANCEL = """
+WITH target AS (
+    SELECT ti.id, ti.trigger_id FROM task_instance ti
+    WHERE ti.trigger_id = ANY($1::bigint[]) AND ti.state = 'deferred'
+    FOR UPDATE
+), moved AS (
+    UPDATE task_instance ti SET state = $2, trigger_id = NULL, trigger_timeout = NULL,
+           next_method = NULL, updated_at = clock_timestamp(),
+           end_date = CASE WHEN $2 IN ('success', 'failed', 'skipped', 'removed')
+                           THEN clock_timestamp() END
+    FROM target WHERE ti.id = target.id
+    RETURNING target.trigger_id
+), orphan AS (
+    DELETE FROM trigger t
+    WHERE t.id = ANY($1::bigint[]) AND (t.owner_id IS NULL OR NOT EXISTS (
+        SELECT 1 FROM consumer c WHERE c.id = t.owner_id AND c.expires_at > now()))
+    RETURNING t.id
+)
+SELECT t.id, t.owner_id, t.id IN (SELECT trigger_id FROM moved) AS moved
+FROM trigger t WHERE t.id = ANY($1::bigint[]) AND t.id NOT IN (SELECT id FROM orphan)
+UNION ALL
+SELECT id, NULL, true FROM orphan
+"""
+
+# -- consumer
 
 REGISTER = """
 INSERT INTO consumer (kind, host, pid, queues, capacity, version, expires_at)
@@ -268,7 +208,10 @@ WHERE t.owner_id = $1 AND NOT EXISTS (
 RETURNING t.id
 """
 
-# ----------------------------------------------------------------------------- writer
+# Cancelled on their owner: the owner stopped them and drops its rows.
+FORGET_HELD = "DELETE FROM trigger WHERE id = ANY($1::bigint[]) AND owner_id = $2"
+
+# -- writer
 
 # One statement per batch: lock the named triggers in id order (no deadlocks between
 # writers), keep only the current attempt of a trigger of the event's own queue (fencing),
@@ -315,7 +258,7 @@ WITH ev AS (
 SELECT kind, queue, latency FROM moved
 """
 
-# ----------------------------------------------------------------------------- reaper
+# -- reaper
 
 # Consumers whose lease expired: free their triggers for re-sending. An ungraceful loss
 # counts against the triggers to blame (those on probation if any, else all); a trigger
@@ -410,231 +353,4 @@ SELECT q, count(c.id) AS consumers
 FROM unnest($1::text[]) AS q
 LEFT JOIN consumer c ON c.kind = 'consumer' AND c.expires_at > now() AND q = ANY(c.queues)
 GROUP BY q
-"""
-
-# ----------------------------------------------------------------------------- admin
-
-STATUS_CONSUMERS = """
-SELECT id, kind, host, pid, queues, capacity, running, version, started_at, renewed_at,
-       expires_at, expires_at > now() AS alive, cardinality(probation) AS on_probation
-FROM consumer ORDER BY kind, id
-"""
-
-STATUS_QUEUES = """
-SELECT queue,
-       count(*) AS triggers,
-       count(*) FILTER (WHERE owner_id IS NOT NULL) AS owned,
-       count(*) FILTER (WHERE owner_id IS NULL AND quarantined_at IS NULL) AS unclaimed,
-       count(*) FILTER (WHERE quarantined_at IS NOT NULL) AS quarantined,
-       count(*) FILTER (WHERE owner_id IS NOT NULL AND NOT EXISTS (
-           SELECT 1 FROM consumer c WHERE c.id = owner_id AND c.expires_at > now())) AS dead_owner
-FROM trigger GROUP BY queue ORDER BY queue
-"""
-
-STATUS_OVERDUE = """
-SELECT count(*) FROM task_instance
-WHERE state = 'deferred' AND trigger_timeout < now() - interval '10 seconds'
-"""
-
-QUARANTINED = """
-SELECT id, queue, classpath, failures, quarantined_at, last_error FROM trigger
-WHERE quarantined_at IS NOT NULL ORDER BY id
-"""
-
-SHOW_TRIGGER = """
-SELECT t.id, t.classpath, t.queue, t.created_at, t.dispatched_at, t.owner_id, t.claimed_at,
-       t.attempt, t.failures, t.rejected_by, t.quarantined_at, t.last_error, t.timeout_at,
-       c.host AS owner_host, c.expires_at > now() AS owner_alive,
-       ti.dag_id, ti.task_id, ti.run_id, ti.map_index, ti.state AS task_state
-FROM trigger t
-LEFT JOIN consumer c ON c.id = t.owner_id
-LEFT JOIN task_instance ti ON ti.trigger_id = t.id
-WHERE t.id = $1
-"""
-
-# Cancel: the task leaves 'deferred' now; the trigger row goes at once when nobody runs it,
-# else its owner cancels it (control message, or its sweep) and deletes it.
-CANCEL = """
-WITH target AS (
-    SELECT ti.id, ti.trigger_id FROM task_instance ti
-    WHERE ti.trigger_id = ANY($1::bigint[]) AND ti.state = 'deferred'
-    FOR UPDATE
-), moved AS (
-    UPDATE task_instance ti SET state = $2, trigger_id = NULL, trigger_timeout = NULL,
-           next_method = NULL, updated_at = clock_timestamp(),
-           end_date = CASE WHEN $2 IN ('success', 'failed', 'skipped', 'removed')
-                           THEN clock_timestamp() END
-    FROM target WHERE ti.id = target.id
-    RETURNING target.trigger_id
-), orphan AS (
-    DELETE FROM trigger t
-    WHERE t.id = ANY($1::bigint[]) AND (t.owner_id IS NULL OR NOT EXISTS (
-        SELECT 1 FROM consumer c WHERE c.id = t.owner_id AND c.expires_at > now()))
-    RETURNING t.id
-)
-SELECT t.id, t.owner_id, t.id IN (SELECT trigger_id FROM moved) AS moved
-FROM trigger t WHERE t.id = ANY($1::bigint[]) AND t.id NOT IN (SELECT id FROM orphan)
-UNION ALL
-SELECT id, NULL, true FROM orphan
-"""
-
-# ----------------------------------------------------------------------------- admin commands
-
-# Release and re-send triggers that no live consumer runs (never claimed, rejected by every
-# consumer, or owned by a dead or vanished consumer). With $2 (--force) also those a live
-# consumer holds: its copy keeps running until it fires or times out, but its event carries
-# the old attempt and the writer ignores it. Quarantined triggers need unquarantine.
-REQUEUE_IDLE = """
-UPDATE trigger t SET owner_id = NULL, dispatched_at = now(), rejected_by = '{}'
-WHERE t.id = ANY($1::bigint[]) AND t.quarantined_at IS NULL
-  AND ($2 OR t.owner_id IS NULL OR NOT EXISTS (
-        SELECT 1 FROM consumer c WHERE c.id = t.owner_id AND c.expires_at > now()))
-RETURNING t.id, t.queue
-"""
-
-LIVE_OWNERS = """
-SELECT t.id, c.id AS owner_id, c.host, c.pid FROM trigger t
-JOIN consumer c ON c.id = t.owner_id AND c.expires_at > now()
-WHERE t.id = ANY($1::bigint[])
-"""
-
-# Undo a quarantine. The task the quarantine failed (still linked by trigger_id) is deferred
-# again with its original continuation and timeout, and the trigger re-sent. If the host has
-# already handled that failure (the task left 'scheduled'/'__fail__'), the trigger is dropped
-# instead: re-running it could no longer resume anything.
-UNQUARANTINE_SAFE = """
-WITH target AS (
-    SELECT t.id, t.queue, t.timeout_at, ti.id AS ti_id,
-           coalesce(ti.state = 'scheduled' AND ti.next_method = '__fail__'
-                    AND ti.next_kwargs ? 'deferred_next_method', false) AS resumable
-    FROM trigger t LEFT JOIN task_instance ti ON ti.trigger_id = t.id
-    WHERE t.id = ANY($1::bigint[]) AND t.quarantined_at IS NOT NULL
-    FOR UPDATE OF t
-), redeferred AS (
-    UPDATE task_instance ti SET state = 'deferred', end_date = NULL,
-           next_method = ti.next_kwargs->>'deferred_next_method',
-           next_kwargs = ti.next_kwargs->'deferred_next_kwargs',
-           trigger_timeout = target.timeout_at, updated_at = clock_timestamp()
-    FROM target
-    WHERE ti.id = target.ti_id AND target.resumable
-      AND ti.state = 'scheduled' AND ti.next_method = '__fail__'
-    RETURNING target.id
-), freed AS (
-    UPDATE trigger t SET quarantined_at = NULL, failures = 0, rejected_by = '{}',
-           owner_id = NULL, dispatched_at = now(), last_error = NULL
-    FROM target WHERE t.id = target.id AND target.resumable
-    RETURNING t.id, t.queue
-), dropped AS (
-    DELETE FROM trigger t USING target WHERE t.id = target.id AND NOT target.resumable
-    RETURNING t.id
-)
-SELECT id, queue, true AS resent FROM freed
-UNION ALL
-SELECT id, NULL, false FROM dropped
-"""
-
-HEALTH = """
-SELECT id, kind, pid, expires_at > now() AS alive,
-       extract(epoch FROM now() - renewed_at)::float8 AS age
-FROM consumer
-WHERE host = $1 AND ($2 = 'any' OR kind = $2) AND ($3::int IS NULL OR pid = $3)
-ORDER BY renewed_at DESC
-"""
-
-# Queues a writer reports on (it serves them all): those consumers declare, and those with
-# triggers waiting (a loose index scan of ``trigger_unclaimed``, cheap however many wait).
-ALL_QUEUES = """
-WITH RECURSIVE waiting(queue) AS (
-    (SELECT queue FROM trigger WHERE owner_id IS NULL AND quarantined_at IS NULL
-     ORDER BY queue LIMIT 1)
-    UNION ALL
-    SELECT (SELECT t.queue FROM trigger t
-            WHERE t.owner_id IS NULL AND t.quarantined_at IS NULL AND t.queue > w.queue
-            ORDER BY t.queue LIMIT 1)
-    FROM waiting w WHERE w.queue IS NOT NULL
-)
-SELECT queue FROM waiting WHERE queue IS NOT NULL
-UNION
-SELECT unnest(queues) FROM consumer WHERE kind = 'consumer'
-"""
-
-LIVE_WRITERS = "SELECT count(*) FROM consumer WHERE kind = 'writer' AND expires_at > now()"
-
-
-@dataclass(frozen=True, slots=True)
-class RenewResult:
-    dead_peers: int
-    live_peers: int
-    peers_running: int
-
-
-class Database:
-    """The statements above, bound to a pool. One instance per process."""
-
-    def __init__(self, pool: asyncpg.Pool) -> None:
-        self.pool = pool
-
-    @classmethod
-    async def connect(cls, dsn: str, *, max_size: int = 4, pgbouncer: bool = False) -> Database:
-        return cls(await create_pool(dsn, max_size=max_size, pgbouncer=pgbouncer))
-
-    async def close(self) -> None:
-        await asyncio.wait_for(self.pool.close(), timeout=10)
-
-    async def fetch(self, sql: str, *args: Any) -> list[Record]:
-        async with self.pool.acquire() as conn:
-            rows: list[Record] = await conn.fetch(sql, *args)
-            return rows
-
-    async def fetchrow(self, sql: str, *args: Any) -> Record | None:
-        async with self.pool.acquire() as conn:
-            row: Record | None = await conn.fetchrow(sql, *args)
-            return row
-
-    async def fetchval(self, sql: str, *args: Any) -> Any:
-        async with self.pool.acquire() as conn:
-            return await conn.fetchval(sql, *args)
-
-    async def execute(self, sql: str, *args: Any) -> str:
-        async with self.pool.acquire() as conn:
-            status: str = await conn.execute(sql, *args)
-            return status
-
-    # -- lease ---------------------------------------------------------------------------
-
-    async def register(
-        self, kind: str, host: str, pid: int, queues: list[str], capacity: int, version: str,
-        ttl: float,
-    ) -> int:
-        return int(await self.fetchval(REGISTER, kind, host, pid, queues, capacity, version, ttl))
-
-    async def renew(
-        self, me: int, ttl: float, running: int, queues: list[str]
-    ) -> RenewResult | None:
-        """Extend my lease; None when it had already expired (I am fenced)."""
-        row = await self.fetchrow(RENEW, me, ttl, running, queues)
-        if row is None:
-            return None
-        return RenewResult(row["dead_peers"], row["live_peers"], row["peers_running"])
-
-    async def unregister(self, me: int) -> None:
-        await self.execute(UNREGISTER, me)
-
-# ----------------------------------------------------------------------------- host side
-
-# The reference resumer takes scheduled task instances, as a scheduler would hand them to
-# workers: SKIP LOCKED so several resumers can share the work.
-PICK_SCHEDULED = """
-UPDATE task_instance ti SET state = 'running', updated_at = clock_timestamp()
-WHERE ti.id IN (SELECT id FROM task_instance WHERE state = 'scheduled'
-                ORDER BY updated_at LIMIT $1 FOR UPDATE SKIP LOCKED)
-RETURNING ti.id, ti.dag_id, ti.task_id, ti.run_id, ti.map_index, ti.next_method,
-          ti.next_kwargs::text AS next_kwargs
-"""
-
-FINISH_TASKS = """
-UPDATE task_instance ti SET state = f.state, result = f.result::jsonb,
-       end_date = clock_timestamp(), updated_at = clock_timestamp()
-FROM unnest($1::bigint[], $2::text[], $3::text[]) AS f(id, state, result)
-WHERE ti.id = f.id AND ti.state = 'running'
 """

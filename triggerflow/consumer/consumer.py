@@ -1,0 +1,446 @@
+"""The triggerer consumer: claim -> run -> emit, with the lease and the reaper beside it.
+
+The one place that decides ack/reject for wake-ups: a delivery is acked only after the
+claim committed (the store holds the lease from then on); ids beyond our free capacity are
+re-published for other consumers and the delivery acked -- never held or nacked. The
+lifecycle is a set of named tasks (subscriptions, claims, renewals, reaper, cancel sweep,
+probation) stopped in a known order. Knows the store and the transport only by interface.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import defaultdict
+from collections.abc import Coroutine, Sequence
+from typing import Any
+
+from triggerflow.consumer.lease import Lease, LeaseLost
+from triggerflow.consumer.observe import ConsumerObserver
+from triggerflow.consumer.outcomes import Outcomes
+from triggerflow.consumer.rebalance import excess
+from triggerflow.emitter import EventSink
+from triggerflow.loader import BadKwargs, Disallowed, TriggerLoader, Unloadable
+from triggerflow.model import EventKind, FailureReason
+from triggerflow.reaper import Reaper
+from triggerflow.runner import Held, TriggerRunner, failure
+from triggerflow.settings import Settings
+from triggerflow.store import ProcessKind, Store, StoreError, TriggerRef, TriggerSpec
+from triggerflow.telemetry import get_metrics
+from triggerflow.transport import Delivery, Transport, TransportError
+from triggerflow.transport.subscriptions import Subscriptions
+from triggerflow.wire import WireError, decode_control, decode_wakeup
+
+log = logging.getLogger(__name__)
+
+# Trigger ids to claim, and the wake-up that carried them (None: freed by our own reaper).
+Wakeup = tuple[list[int], Delivery | None]
+
+
+class Consumer:
+    """Runs the triggers of ``settings.queues``.
+
+    Keyword settings that matter most: ``capacity`` (max triggers held), ``lease_ttl`` and
+    ``renew_interval`` (failover time), ``claim_batch`` (ids per claim statement),
+    ``prefetch`` (wake-up messages in flight), ``allowed_modules``.
+    Raises ValueError when ``settings.queues`` is empty.
+    """
+
+    def __init__(self, settings: Settings, store: Store, transport: Transport) -> None:
+        if not settings.queues:
+            raise ValueError("a consumer needs at least one queue")
+        self.settings = settings
+        self.store = store
+        self.transport = transport
+        self.queues = list(settings.queues)
+        self.loader = TriggerLoader(settings.allowed_modules)
+        self.lease = Lease(store, ProcessKind.CONSUMER, queues=self.queues,
+                           capacity=settings.capacity, ttl=settings.lease_ttl,
+                           renew_interval=settings.renew_interval)
+        self.sink = EventSink(transport, settings)
+        self.outcomes = Outcomes(self.sink, self.lease, settings, on_fired=self._on_fired)
+        self.runner = TriggerRunner(self.outcomes.emit)
+        self.reaper = Reaper(store, transport, settings, take_locally=self._take_locally)
+        self.subscriptions = Subscriptions(
+            transport, prefetch=settings.prefetch,
+            check_interval=settings.subscription_check_interval)
+        for queue in self.queues:
+            self.subscriptions.add(queue, self._on_delivery)
+        self.metrics = get_metrics()
+        self._wakeups: asyncio.Queue[Wakeup] = asyncio.Queue()
+        self._pending_ids = 0
+        self._suspects = asyncio.Event()
+        self._probation: list[int] = []
+        self._reap_now = asyncio.Event()
+        self._claim_lock = asyncio.Lock()
+        self._background: set[asyncio.Task[Any]] = set()  # strong refs until done
+        self._tasks: list[asyncio.Task[Any]] = []
+        self._stopping = False
+        self.observer = ConsumerObserver(self)
+
+    @property
+    def me(self) -> int:
+        return self.lease.me
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def run(self, stop: asyncio.Event) -> int:
+        """Serve until ``stop`` is set (0) or a lifecycle task crashed (1), then stop cleanly."""
+        registering = asyncio.ensure_future(self.lease.register())
+        await asyncio.wait([registering, asyncio.ensure_future(stop.wait())],
+                           return_when=asyncio.FIRST_COMPLETED)
+        if not registering.done():  # stopped before the store ever answered
+            registering.cancel()
+            await self.transport.close()
+            return 0
+        await self.subscriptions.set_control(self.me, self._on_control)
+        self.observer.start()
+        loop = asyncio.get_running_loop()
+        for name, coro in (
+            ("broker", self.subscriptions.run(on_connected=self.sink.retry)),
+            ("claims", self._claim_loop()),
+            ("renewals", self._renew_loop()),
+            ("reaper", self._reaper_loop()),
+            ("cancel-sweep", self._sweep_loop()),
+            ("probation", self._probation_loop()),
+        ):
+            self._tasks.append(loop.create_task(coro, name=name))
+        stopper = loop.create_task(stop.wait(), name="stop")
+        done, _ = await asyncio.wait([stopper, *self._tasks], return_when=asyncio.FIRST_COMPLETED)
+        crashed = [t for t in done if t is not stopper]
+        for task in crashed:
+            log.error("task %s stopped unexpectedly; shutting down", task.get_name(),
+                      exc_info=task.exception())
+        stopper.cancel()
+        await self.shutdown()
+        return 1 if crashed else 0
+
+    async def shutdown(self) -> None:
+        """Graceful stop: no new claims, cancel triggers (cleanup), flush, hand back, leave."""
+        self._stopping = True
+        log.info("stopping: releasing %d triggers", len(self.runner))
+        await self.subscriptions.stop()
+        # A claim cancelled mid-flight may still commit after the release below and strand
+        # its triggers on our dead row; let the one in flight finish instead.
+        await self._claim_lock.acquire()
+        if self._background:  # hand-overs and rebalancing in flight publish their wake-ups
+            await asyncio.wait(list(self._background), timeout=5)
+        others = [t for t in self._tasks if t.get_name() != "broker"]
+        for task in others:
+            task.cancel()
+        await asyncio.gather(*others, return_exceptions=True)
+        self.runner.cancel()
+        await self.runner.wait_cleanups()
+        await self.sink.drain(timeout=10)
+        with contextlib.suppress(Exception):
+            refs = await self.store.release(self.me)
+            await self._republish(refs)
+            self.metrics.released.add(len(refs), {"cause": "shutdown"})
+            log.info("handed back %d triggers", len(refs))
+        with contextlib.suppress(Exception):
+            await self.lease.leave()
+        self.observer.stop()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.transport.close()
+
+    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background_done)
+
+    def _background_done(self, task: asyncio.Task[Any]) -> None:
+        self._background.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("background task failed", exc_info=task.exception())
+
+    # -- deliveries ----------------------------------------------------------------------
+
+    def _update_flow(self) -> None:
+        """At capacity cancel the subscriptions; resume with room (10% hysteresis)."""
+        held = len(self.runner) + self._pending_ids
+        paused = self.subscriptions.paused
+        if not paused and held >= self.settings.capacity:
+            log.info("at capacity (%d); pausing subscriptions", held)
+            self.subscriptions.paused = True  # at once: no resume may slip in before the task
+            self._spawn(self.subscriptions.pause())
+        elif paused and held < self.settings.capacity * 0.9:
+            log.info("room again (%d held); resuming subscriptions", held)
+            self.subscriptions.paused = False
+            self._spawn(self.subscriptions.resume())
+
+    async def _on_delivery(self, message: Delivery) -> None:
+        try:
+            ids = decode_wakeup(message.body)
+        except WireError as exc:
+            await self._dead_letter(message, str(exc))
+            return
+        self._pending_ids += len(ids)
+        self._wakeups.put_nowait((ids, message))
+
+    def _take_locally(self, queue: str, ids: list[int]) -> list[int]:
+        """Queue freed triggers for our own claim loop; return what does not fit."""
+        if queue not in self.queues or self._stopping:
+            return ids
+        room = max(0, self.settings.capacity - len(self.runner) - self._pending_ids)
+        take, rest = ids[:room], ids[room:]
+        for i in range(0, len(take), self.settings.claim_batch):
+            chunk = take[i : i + self.settings.claim_batch]
+            self._pending_ids += len(chunk)
+            self._wakeups.put_nowait((chunk, None))
+        return rest
+
+    async def _dead_letter(self, message: Delivery, reason: str) -> None:
+        log.warning("dead-lettering a message from %s: %s", message.routing_key, reason)
+        self.metrics.dead_lettered.add(1, {"reason": reason.split(":")[0]})
+        try:
+            await self.transport.dead_letter(message.body, reason, source=message.routing_key)
+            await message.ack()
+        except Exception:
+            await message.reject(requeue=False)  # the queue's DLX still keeps it
+
+    async def _on_control(self, message: Delivery) -> None:
+        try:
+            ctl = decode_control(message.body)
+        except WireError as exc:
+            await self._dead_letter(message, str(exc))
+            return
+        if ctl.op == "cancel":
+            await self.cancel(ctl.ids, cause="control")
+        await message.ack()
+
+    # -- claiming ----------------------------------------------------------------------------
+
+    async def _claim_loop(self) -> None:
+        while True:
+            batch = [await self._wakeups.get()]
+            n = len(batch[0][0])
+            while n < self.settings.claim_batch and not self._wakeups.empty():
+                item = self._wakeups.get_nowait()
+                batch.append(item)
+                n += len(item[0])
+            try:
+                async with self._claim_lock:
+                    if self._stopping:
+                        return  # unacked: returned to the queue when the channel closes
+                    await self._claim(batch)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                # Not acked: the deliveries return to the queue when the channel closes, and
+                # the reaper re-sends whatever stays unclaimed. Nothing is lost.
+                log.exception("claim failed; %d deliveries left unacked", len(batch))
+                await asyncio.sleep(1)
+            finally:
+                self._pending_ids -= n
+            await asyncio.sleep(0)  # a 100k reclaim must not starve renewals
+
+    async def _claim(self, batch: list[Wakeup]) -> None:
+        """One claim for the batch, then the acks: the lease is in the store now."""
+        ids, overflow = self._fit_to_room(batch)
+        found = await self.store.claim(self.me, ids, self.queues)
+        if overflow:  # hand the rest to other consumers through the queue, never nack
+            await self.transport.publish_wakeups(overflow)
+        await self._ack_all(batch)
+        if found.suspects:
+            self._suspects.set()
+        if found.refused:  # we cannot load these: back to the queue for a consumer that can
+            self._spawn(self._pass_on(found.refused))
+        self.metrics.claimed.add(len(found.claimed))
+        for i, spec in enumerate(found.claimed):
+            self._start(spec)
+            if i % 500 == 499:
+                await asyncio.sleep(0)
+        self._update_flow()
+
+    def _fit_to_room(self, batch: list[Wakeup]) -> tuple[list[int], dict[str, list[int]]]:
+        """Split delivered ids into what fits our free capacity and the overflow per queue."""
+        room = max(0, self.settings.capacity - len(self.runner))
+        ids: list[int] = []
+        overflow: dict[str, list[int]] = defaultdict(list)
+        for msg_ids, message in batch:
+            for trigger_id in msg_ids:
+                if len(ids) < room:
+                    ids.append(trigger_id)
+                elif message is not None and message.routing_key:
+                    overflow[message.routing_key].append(trigger_id)
+        return ids, overflow
+
+    async def _ack_all(self, batch: list[Wakeup]) -> None:
+        for _, message in batch:
+            if message is None:
+                continue  # taken locally from the reaper, not delivered
+            try:
+                await message.ack()
+            except TransportError:
+                # Redelivered after the reconnect; the claim then finds us the owner and
+                # changes nothing.
+                log.debug("ack lost with the channel")
+
+    def _start(self, spec: TriggerSpec) -> None:
+        held = Held(spec.id, spec.attempt, spec.queue, spec.classpath, spec.task,
+                    spec.timeout_at, spec.traceparent)
+        try:
+            trigger = self.loader.build(spec)
+        except Unloadable as exc:
+            self._spawn(self._hand_over_unloadable(held, str(exc)))
+            return
+        except (Disallowed, BadKwargs) as exc:
+            reason = (FailureReason.TRIGGER_DISALLOWED if isinstance(exc, Disallowed)
+                      else FailureReason.TRIGGER_UNLOADABLE)
+            msg = f"{exc} (consumer {self.me} on {self.lease.host})"
+            log.warning("%s", msg, extra=held.log_context())
+            self.outcomes.emit(held, EventKind.FAIL, failure(reason, msg))
+            return
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("starting %s", spec.classpath, extra=held.log_context())
+        self.runner.start(held, trigger)
+        self.metrics.started.add(1)
+
+    async def _hand_over_unloadable(self, held: Held, reason: str) -> None:
+        """Mixed code versions: let a consumer that can import the class take it."""
+        if await self.store.other_loaders(held.id, self.me):
+            log.warning("%s; handing it to another consumer", reason, extra=held.log_context())
+            refs = await self.store.release(self.me, [held.id], cannot_load=True, reason=reason)
+            await self._republish(refs)
+            self.metrics.released.add(len(refs), {"cause": "unloadable"})
+        else:
+            msg = f"{reason}; no consumer of queue {held.queue} can load it (last: {self.me})"
+            log.warning("%s", msg, extra=held.log_context())
+            self.outcomes.emit(held, EventKind.FAIL,
+                               failure(FailureReason.TRIGGER_UNLOADABLE, msg))
+
+    async def _pass_on(self, refs: list[TriggerRef]) -> None:
+        await asyncio.sleep(1.0)  # no hot loop if the queue's only other consumer just left
+        if not self._stopping:
+            await self._republish(refs)
+
+    async def _republish(self, refs: Sequence[TriggerRef]) -> None:
+        by_queue: dict[str, list[int]] = defaultdict(list)
+        for ref in refs:
+            by_queue[ref.queue].append(ref.id)
+        if by_queue:
+            await self.transport.publish_wakeups(by_queue)
+
+    def _on_fired(self) -> None:
+        if self.subscriptions.paused:
+            self._update_flow()
+
+    async def cancel(self, ids: list[int], *, cause: str) -> int:
+        """Stop the held triggers among ``ids`` and drop their rows; returns how many."""
+        stopped = self.runner.cancel(ids)
+        if stopped:
+            await self.store.forget(self.me, [h.id for h in stopped])
+            self.metrics.cancelled.add(len(stopped), {"cause": cause})
+            for held in stopped:
+                log.info("cancelled (%s)", cause, extra=held.log_context())
+        return len(stopped)
+
+    # -- lease -------------------------------------------------------------------------------
+
+    async def _renew_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.renew_interval)
+            try:
+                renewal = await self.lease.renew(len(self.runner))
+            except LeaseLost as exc:
+                await self._fence(str(exc))
+                continue
+            except StoreError as exc:
+                log.warning("lease renewal failed: %r", exc)
+                continue
+            self.metrics.renewals.add(1)
+            if renewal.dead_peers:
+                self._reap_now.set()
+            self._maybe_rebalance(renewal.live_peers, renewal.peers_running)
+
+    async def _fence(self, why: str) -> None:
+        """Lost the lease: stop everything held, forget unsent events, register anew."""
+        self.metrics.leases_lost.add(1)
+        stopped = self.runner.cancel()
+        dropped = self.sink.drop()
+        log.error("lease lost (%s): stopped %d triggers, dropped %d events; re-registering",
+                  why, len(stopped), dropped, extra={"consumer_id": self.me})
+        self._probation = []
+        old = self.me
+        await self.lease.register()
+        await self.subscriptions.set_control(self.me, self._on_control)  # named after our id
+        log.info("consumer %s replaced by %s", old, self.me)
+
+    def _maybe_rebalance(self, live_peers: int, peers_running: int) -> None:
+        """After a rolling restart, shed what is over our fair share so peers fill up."""
+        if self._stopping or any(
+                getattr(t.get_coro(), "__name__", "") == "_shed" for t in self._background):
+            return
+        n = excess(len(self.runner), live_peers, peers_running, self.settings.reclaim_rate)
+        if n:
+            self._spawn(self._shed(list(self.runner.running)[-n:]))
+
+    async def _shed(self, ids: list[int]) -> None:
+        if self._stopping:
+            return
+        stopped = self.runner.cancel(ids)
+        refs = await self.store.release(self.me, [h.id for h in stopped])
+        await self._republish(refs)
+        self.metrics.released.add(len(refs), {"cause": "rebalance"})
+        log.info("rebalanced: handed %d triggers to peers", len(refs))
+
+    # -- periodic sweeps ---------------------------------------------------------------------
+
+    async def _reaper_loop(self) -> None:
+        interval = self.settings.reaper_interval
+        next_full = 0.0
+        loop = asyncio.get_running_loop()
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._reap_now.wait(), timeout=interval)
+            self._reap_now.clear()
+            try:
+                await self.subscriptions.connected.wait()
+                await self.reaper.reap_dead()
+                if loop.time() >= next_full:
+                    next_full = loop.time() + interval
+                    await self.reaper.resend_unclaimed()
+                    await self.reaper.time_out_orphans()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("reaper sweep failed")
+
+    async def _sweep_loop(self) -> None:
+        """Backstop for cancellation: drop held triggers whose task is no longer deferred."""
+        while True:
+            await asyncio.sleep(self.settings.cancel_sweep_interval)
+            if not self.runner.running:
+                continue
+            try:
+                ids = await self.store.sweep_cancelled(self.me)
+            except StoreError:
+                continue
+            if ids:
+                await self.cancel(ids, cause="sweep")
+
+    async def _probation_loop(self) -> None:
+        """Run suspects (triggers whose consumer died) in halving groups, one group at a time."""
+        while True:
+            await self._suspects.wait()
+            try:
+                async with self._claim_lock:
+                    if self._stopping:
+                        return
+                    specs = await self.store.claim_probation(self.me, self.queues)
+            except StoreError:
+                await asyncio.sleep(1)
+                continue
+            if not specs:
+                self._suspects.clear()
+                continue
+            self._probation = [s.id for s in specs]
+            log.warning("running %d suspect trigger(s) on probation", len(specs))
+            for spec in specs:
+                self._start(spec)
+            await asyncio.sleep(self.settings.probation_seconds)
+            await self.store.clear_probation(self.me, self._probation)
+            self._probation = []

@@ -1,0 +1,57 @@
+"""What a consumer shows of itself: gauges of held triggers, and the blocked-loop watchdog."""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from typing import TYPE_CHECKING, Any
+
+from triggerflow.telemetry import get_metrics
+from triggerflow.triggers.base import BaseTrigger
+from triggerflow.watchdog import LoopWatchdog
+
+if TYPE_CHECKING:
+    from triggerflow.consumer.consumer import Consumer
+
+log = logging.getLogger(__name__)
+
+
+class ConsumerObserver:
+    """Registers the consumer's gauges and names the trigger that blocks the loop."""
+
+    def __init__(self, consumer: Consumer) -> None:
+        self.consumer = consumer
+        self.metrics = get_metrics()
+        self.watchdog = LoopWatchdog(consumer.settings.blocked_threshold, self._on_blocked,
+                                     on_lag=lambda lag: self.metrics.loop_lag.record(lag))
+        self._register_gauges()
+
+    def start(self) -> None:
+        self.watchdog.start()
+
+    def stop(self) -> None:
+        self.watchdog.stop()
+
+    def _on_blocked(self, trigger: BaseTrigger | None, seconds: float) -> None:
+        # Called from the watchdog thread while the loop is still blocked.
+        name = f"{type(trigger).__module__}.{type(trigger).__qualname__}" if trigger else "unknown"
+        self.metrics.blocked.add(1, {"trigger_class": name})
+        log.warning(
+            "event loop blocked for %.2fs by trigger %s (id %s); move blocking calls off the loop",
+            seconds, name, trigger.trigger_id if trigger else None,
+            extra={"trigger_id": trigger.trigger_id if trigger else None,
+                   "task": trigger.task_key if trigger else None, "trigger_class": name},
+        )
+
+    def _register_gauges(self) -> None:
+        c = self.consumer
+
+        def running() -> list[tuple[float, dict[str, Any]]]:
+            counts: dict[str, int] = defaultdict(int)
+            for held in list(c.runner.running.values()):
+                counts[held.queue] += 1
+            return [(float(counts.get(q, 0)), {"queue": q}) for q in c.queues]
+
+        self.metrics.gauge("triggerflow.triggers.running", "Triggers running, per queue", running)
+        self.metrics.gauge("triggerflow.capacity_left", "Triggers this consumer can still take",
+                           lambda: [(float(c.settings.capacity - len(c.runner)), {})])

@@ -1,0 +1,72 @@
+"""Fired outcomes -> stamped events for the sink, unless the lease says we are fenced."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from triggerflow.consumer.lease import Lease
+from triggerflow.emitter import EventSink
+from triggerflow.model import EventKind, FailureReason
+from triggerflow.runner import Held, failure
+from triggerflow.settings import Settings
+from triggerflow.telemetry import context_from, current_traceparent, get_metrics, tracer, tracing_enabled
+from triggerflow.wire import Event, PayloadError, validate_payload
+
+log = logging.getLogger(__name__)
+
+
+class Outcomes:
+    """Validates a trigger's outcome, stamps it with (trigger id, attempt), queues it.
+
+    Past the lease's deadline nothing is emitted: a peer may run the trigger now and our
+    event would be stale (the store would ignore it anyway; this keeps it off the wire).
+    A payload that is not JSON or too big becomes a ``fail`` event naming the class.
+    """
+
+    def __init__(self, sink: EventSink, lease: Lease, settings: Settings,
+                 on_fired: Callable[[], None]) -> None:
+        self.sink = sink
+        self.lease = lease
+        self.max_event_bytes = settings.max_event_bytes
+        self.on_fired = on_fired
+        self.metrics = get_metrics()
+
+    def emit(self, held: Held, kind: EventKind, payload: Any) -> None:
+        if not self.lease.valid():
+            return
+        reason: str | None = None
+        try:
+            text = validate_payload(payload, self.max_event_bytes)
+        except PayloadError as exc:
+            reason = FailureReason.TRIGGER_FAILURE
+            kind, text = EventKind.FAIL, validate_payload(
+                failure(FailureReason.TRIGGER_FAILURE, f"{held.classpath}: {exc}"), 1 << 20)
+        fired = time.time()
+        traceparent = None
+        if held.traceparent and tracing_enabled():
+            traceparent = self._fire_span(held, kind)
+        self.sink.add(Event(held.id, held.attempt, held.queue, str(kind), text, fired,
+                            traceparent))
+        if kind == EventKind.FAIL:
+            if reason is None and isinstance(payload, dict):
+                reason = payload.get("error")
+            self.metrics.failed.add(
+                1, {"queue": held.queue, "reason": str(reason or FailureReason.TRIGGER_FAILURE)})
+        else:
+            self.metrics.succeeded.add(1, {"queue": held.queue})
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("fired %s", kind, extra=held.log_context())
+        self.on_fired()
+
+    @staticmethod
+    def _fire_span(held: Held, kind: EventKind) -> str | None:
+        """A span for the run, parented on the defer span; only its id outlives this call."""
+        with tracer.start_as_current_span(
+            "triggerflow.fire", context=context_from(held.traceparent),
+            attributes={"triggerflow.trigger_id": held.id, "triggerflow.queue": held.queue,
+                        "triggerflow.event": str(kind), "triggerflow.attempt": held.attempt},
+        ):
+            return current_traceparent()

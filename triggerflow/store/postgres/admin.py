@@ -1,0 +1,140 @@
+"""Statements of the operator commands (status, show, requeue, unquarantine, health) and of
+the reference host (the demo's resumer). Not on any hot path of the loops.
+"""
+
+STATUS_CONSUMERS = """
+SELECT id, kind, host, pid, queues, capacity, running, version, started_at, renewed_at,
+       expires_at, expires_at > now() AS alive, cardinality(probation) AS on_probation
+FROM consumer ORDER BY kind, id
+"""
+
+STATUS_QUEUES = """
+SELECT queue,
+       count(*) AS triggers,
+       count(*) FILTER (WHERE owner_id IS NOT NULL) AS owned,
+       count(*) FILTER (WHERE owner_id IS NULL AND quarantined_at IS NULL) AS unclaimed,
+       count(*) FILTER (WHERE quarantined_at IS NOT NULL) AS quarantined,
+       count(*) FILTER (WHERE owner_id IS NOT NULL AND NOT EXISTS (
+           SELECT 1 FROM consumer c WHERE c.id = owner_id AND c.expires_at > now())) AS dead_owner
+FROM trigger GROUP BY queue ORDER BY queue
+"""
+
+STATUS_OVERDUE = """
+SELECT count(*) FROM task_instance
+WHERE state = 'deferred' AND trigger_timeout < now() - interval '10 seconds'
+"""
+
+QUARANTINED = """
+SELECT id, queue, classpath, failures, quarantined_at, last_error FROM trigger
+WHERE quarantined_at IS NOT NULL ORDER BY id
+"""
+
+SHOW_TRIGGER = """
+SELECT t.id, t.classpath, t.queue, t.created_at, t.dispatched_at, t.owner_id, t.claimed_at,
+       t.attempt, t.failures, t.rejected_by, t.quarantined_at, t.last_error, t.timeout_at,
+       c.host AS owner_host, c.expires_at > now() AS owner_alive,
+       ti.dag_id, ti.task_id, ti.run_id, ti.map_index, ti.state AS task_state
+FROM trigger t
+LEFT JOIN consumer c ON c.id = t.owner_id
+LEFT JOIN task_instance ti ON ti.trigger_id = t.id
+WHERE t.id = $1
+"""
+
+# -- commands that change state
+
+# Release and re-send triggers that no live consumer runs (never claimed, rejected by every
+# consumer, or owned by a dead or vanished consumer). With $2 (--force) also those a live
+# consumer holds: its copy keeps running until it fires or times out, but its event carries
+# the old attempt and the writer ignores it. Quarantined triggers need unquarantine.
+REQUEUE_IDLE = """
+UPDATE trigger t SET owner_id = NULL, dispatched_at = now(), rejected_by = '{}'
+WHERE t.id = ANY($1::bigint[]) AND t.quarantined_at IS NULL
+  AND ($2 OR t.owner_id IS NULL OR NOT EXISTS (
+        SELECT 1 FROM consumer c WHERE c.id = t.owner_id AND c.expires_at > now()))
+RETURNING t.id, t.queue
+"""
+
+LIVE_OWNERS = """
+SELECT t.id, c.id AS owner_id, c.host, c.pid FROM trigger t
+JOIN consumer c ON c.id = t.owner_id AND c.expires_at > now()
+WHERE t.id = ANY($1::bigint[])
+"""
+
+# Undo a quarantine. The task the quarantine failed (still linked by trigger_id) is deferred
+# again with its original continuation and timeout, and the trigger re-sent. If the host has
+# already handled that failure (the task left 'scheduled'/'__fail__'), the trigger is dropped
+# instead: re-running it could no longer resume anything.
+UNQUARANTINE_SAFE = """
+WITH target AS (
+    SELECT t.id, t.queue, t.timeout_at, ti.id AS ti_id,
+           coalesce(ti.state = 'scheduled' AND ti.next_method = '__fail__'
+                    AND ti.next_kwargs ? 'deferred_next_method', false) AS resumable
+    FROM trigger t LEFT JOIN task_instance ti ON ti.trigger_id = t.id
+    WHERE t.id = ANY($1::bigint[]) AND t.quarantined_at IS NOT NULL
+    FOR UPDATE OF t
+), redeferred AS (
+    UPDATE task_instance ti SET state = 'deferred', end_date = NULL,
+           next_method = ti.next_kwargs->>'deferred_next_method',
+           next_kwargs = ti.next_kwargs->'deferred_next_kwargs',
+           trigger_timeout = target.timeout_at, updated_at = clock_timestamp()
+    FROM target
+    WHERE ti.id = target.ti_id AND target.resumable
+      AND ti.state = 'scheduled' AND ti.next_method = '__fail__'
+    RETURNING target.id
+), freed AS (
+    UPDATE trigger t SET quarantined_at = NULL, failures = 0, rejected_by = '{}',
+           owner_id = NULL, dispatched_at = now(), last_error = NULL
+    FROM target WHERE t.id = target.id AND target.resumable
+    RETURNING t.id, t.queue
+), dropped AS (
+    DELETE FROM trigger t USING target WHERE t.id = target.id AND NOT target.resumable
+    RETURNING t.id
+)
+SELECT id, queue, true AS resent FROM freed
+UNION ALL
+SELECT id, NULL, false FROM dropped
+"""
+
+HEALTH = """
+SELECT id, kind, pid, expires_at > now() AS alive,
+       extract(epoch FROM now() - renewed_at)::float8 AS age
+FROM consumer
+WHERE host = $1 AND ($2 = 'any' OR kind = $2) AND ($3::int IS NULL OR pid = $3)
+ORDER BY renewed_at DESC
+"""
+
+# Queues a writer reports on (it serves them all): those consumers declare, and those with
+# triggers waiting (a loose index scan of ``trigger_unclaimed``, cheap however many wait).
+ALL_QUEUES = """
+WITH RECURSIVE waiting(queue) AS (
+    (SELECT queue FROM trigger WHERE owner_id IS NULL AND quarantined_at IS NULL
+     ORDER BY queue LIMIT 1)
+    UNION ALL
+    SELECT (SELECT t.queue FROM trigger t
+            WHERE t.owner_id IS NULL AND t.quarantined_at IS NULL AND t.queue > w.queue
+            ORDER BY t.queue LIMIT 1)
+    FROM waiting w WHERE w.queue IS NOT NULL
+)
+SELECT queue FROM waiting WHERE queue IS NOT NULL
+UNION
+SELECT unnest(queues) FROM consumer WHERE kind = 'consumer'
+"""
+
+LIVE_WRITERS = "SELECT count(*) FROM consumer WHERE kind = 'writer' AND expires_at > now()"
+
+# The reference resumer takes scheduled task instances, as a scheduler would hand them to
+# workers: SKIP LOCKED so several resumers can share the work.
+PICK_SCHEDULED = """
+UPDATE task_instance ti SET state = 'running', updated_at = clock_timestamp()
+WHERE ti.id IN (SELECT id FROM task_instance WHERE state = 'scheduled'
+                ORDER BY updated_at LIMIT $1 FOR UPDATE SKIP LOCKED)
+RETURNING ti.id, ti.dag_id, ti.task_id, ti.run_id, ti.map_index, ti.next_method,
+          ti.next_kwargs::text AS next_kwargs
+"""
+
+FINISH_TASKS = """
+UPDATE task_instance ti SET state = f.state, result = f.result::jsonb,
+       end_date = clock_timestamp(), updated_at = clock_timestamp()
+FROM unnest($1::bigint[], $2::text[], $3::text[]) AS f(id, state, result)
+WHERE ti.id = f.id AND ti.state = 'running'
+"""

@@ -1,0 +1,74 @@
+"""The asyncpg pool and a thin query helper for the operator commands and the reference host.
+
+The loops never use this directly: they go through :class:`~triggerflow.store.postgres.store.
+PostgresStore`, which also owns the translation of driver errors into the store's own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from typing import Any
+
+import asyncpg
+
+# asyncpg ships no type information; rows are read as mappings of column name to value.
+Record = Mapping[str, Any]
+
+# The connection itself failed (server restarting, socket dropped): worth a retry.
+DB_DISCONNECTED: tuple[type[BaseException], ...] = (
+    OSError, asyncpg.InterfaceError, asyncpg.PostgresConnectionError,
+    asyncpg.CannotConnectNowError, asyncpg.AdminShutdownError,
+)
+
+
+async def _keep_session(conn: asyncpg.Connection) -> None:
+    """Release without asyncpg's reset query (``SELECT pg_advisory_unlock_all(); CLOSE ALL;
+    UNLISTEN *; RESET ALL``): four statements and a round trip after every call. Nothing here
+    leaves session state behind; asyncpg still rolls back a transaction left open."""
+
+
+async def create_pool(dsn: str, *, max_size: int = 4, pgbouncer: bool = False) -> asyncpg.Pool:
+    """A bounded pool. Behind PgBouncer (transaction mode) prepared statements are not cached."""
+    return await asyncpg.create_pool(
+        dsn,
+        min_size=1,
+        max_size=max_size,
+        statement_cache_size=0 if pgbouncer else 256,
+        command_timeout=60,
+        server_settings={"application_name": "triggerflow"},
+        reset=_keep_session,
+    )
+
+
+class Database:
+    """A pool with ``fetch``/``fetchrow``/``fetchval``/``execute``. One instance per process."""
+
+    def __init__(self, pool: asyncpg.Pool) -> None:
+        self.pool = pool
+
+    @classmethod
+    async def connect(cls, dsn: str, *, max_size: int = 4, pgbouncer: bool = False) -> Database:
+        return cls(await create_pool(dsn, max_size=max_size, pgbouncer=pgbouncer))
+
+    async def close(self) -> None:
+        await asyncio.wait_for(self.pool.close(), timeout=10)
+
+    async def fetch(self, sql: str, *args: Any) -> list[Record]:
+        async with self.pool.acquire() as conn:
+            rows: list[Record] = await conn.fetch(sql, *args)
+            return rows
+
+    async def fetchrow(self, sql: str, *args: Any) -> Record | None:
+        async with self.pool.acquire() as conn:
+            row: Record | None = await conn.fetchrow(sql, *args)
+            return row
+
+    async def fetchval(self, sql: str, *args: Any) -> Any:
+        async with self.pool.acquire() as conn:
+            return await conn.fetchval(sql, *args)
+
+    async def execute(self, sql: str, *args: Any) -> str:
+        async with self.pool.acquire() as conn:
+            status: str = await conn.execute(sql, *args)
+            return status

@@ -1,0 +1,49 @@
+"""Creating the database and applying the Alembic migrations shipped in the package.
+
+URLs are parsed with SQLAlchemy's ``make_url``, never edited as strings.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import asyncpg
+from sqlalchemy.engine import make_url
+
+MIGRATIONS = Path(__file__).resolve().parents[2] / "migrations"
+
+
+def with_database(dsn: str, database: str) -> str:
+    """``dsn`` pointing at another database of the same server."""
+    return make_url(dsn).set(database=database).render_as_string(hide_password=False)
+
+
+def database_name(dsn: str) -> str:
+    return make_url(dsn).database or "postgres"
+
+
+async def ensure_database(dsn: str) -> bool:
+    """Create the database named by ``dsn`` if it is missing. Returns True when created."""
+    name = database_name(dsn)
+    conn = await asyncpg.connect(with_database(dsn, "postgres"))
+    try:
+        exists = await conn.fetchval("SELECT 1 FROM pg_database WHERE datname = $1", name)
+        if exists:
+            return False
+        quoted = '"' + name.replace('"', '""') + '"'
+        await conn.execute(f"CREATE DATABASE {quoted}")
+        return True
+    finally:
+        await conn.close()
+
+
+def upgrade_schema(dsn: str, revision: str = "head") -> None:
+    """Apply the migrations up to ``revision`` (blocking)."""
+    from alembic import command
+    from alembic.config import Config
+
+    cfg = Config()
+    cfg.set_main_option("script_location", str(MIGRATIONS))
+    url = make_url(dsn).set(drivername="postgresql+asyncpg")
+    cfg.set_main_option("sqlalchemy.url", url.render_as_string(hide_password=False).replace("%", "%%"))
+    command.upgrade(cfg, revision)

@@ -1,0 +1,227 @@
+"""PostgresStore: the :class:`~triggerflow.store.Store` of native mode, on triggerflow's tables.
+
+Runs the statements of ``statements`` on a pool, decodes claimed kwargs with the native
+codec, and turns driver errors into the store's own (``StoreUnavailable`` for a lost
+connection, ``EventRefused`` for content the database rejects, ``StoreError`` otherwise).
+Imports nothing from the broker side.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import asyncpg
+from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_random_exponential
+
+from triggerflow.codec import KwargsCodec, MissingKey
+from triggerflow.store.interface import (
+    Applied,
+    Cancelled,
+    ClaimResult,
+    EventRefused,
+    FreedTrigger,
+    KwargsError,
+    KwargsProblem,
+    NewDeferral,
+    ProcessKind,
+    Reaped,
+    Renewal,
+    StoreError,
+    StoreUnavailable,
+    TriggerRef,
+    TriggerSpec,
+)
+from triggerflow.store.postgres import statements as sql
+from triggerflow.store.postgres.pool import DB_DISCONNECTED, Record, create_pool
+from triggerflow.wire import Event
+
+# Two writers' batches can still meet on a row; such a statement is simply run again.
+_CONFLICTS = (asyncpg.DeadlockDetectedError, asyncpg.SerializationError)
+_REFUSED = (asyncpg.DataError, asyncpg.IntegrityConstraintViolationError)
+
+
+def _scope(queues: Sequence[str] | None) -> tuple[list[str], bool]:
+    """(queues, every queue?) as the reaper statements take them."""
+    return ([], True) if queues is None else (list(queues), False)
+
+
+class PostgresStore:
+    """The native store on one pool. ``codec`` decodes the kwargs of claimed triggers."""
+
+    def __init__(self, pool: asyncpg.Pool, codec: KwargsCodec | None = None) -> None:
+        self.pool = pool
+        self.codec = codec or KwargsCodec()
+
+    @classmethod
+    async def connect(cls, dsn: str, *, max_size: int = 4, pgbouncer: bool = False,
+                      codec: KwargsCodec | None = None) -> PostgresStore:
+        return cls(await create_pool(dsn, max_size=max_size, pgbouncer=pgbouncer), codec)
+
+    async def close(self) -> None:
+        with contextlib.suppress(TimeoutError):
+            await self.pool.close()
+
+    # -- plumbing ------------------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def _errors(self) -> AsyncIterator[None]:
+        try:
+            yield
+        except DB_DISCONNECTED as exc:
+            raise StoreUnavailable(repr(exc)) from exc
+        except _REFUSED as exc:
+            raise EventRefused(str(exc)) from exc
+        except asyncpg.PostgresError as exc:
+            raise StoreError(repr(exc)) from exc
+
+    async def _fetch(self, query: str, *args: Any) -> list[Record]:
+        async with self._errors(), self.pool.acquire() as conn:
+            rows: list[Record] = await conn.fetch(query, *args)
+            return rows
+
+    async def _fetchrow(self, query: str, *args: Any) -> Record | None:
+        async with self._errors(), self.pool.acquire() as conn:
+            row: Record | None = await conn.fetchrow(query, *args)
+            return row
+
+    async def _execute(self, query: str, *args: Any) -> None:
+        async with self._errors(), self.pool.acquire() as conn:
+            await conn.execute(query, *args)
+
+    def _spec(self, row: Record) -> TriggerSpec:
+        kwargs: dict[str, Any] | None = None
+        problem: KwargsError | None = None
+        try:
+            kwargs = self.codec.decode(row["kwargs"])
+        except MissingKey as exc:
+            problem = KwargsError(KwargsProblem.UNREADABLE_HERE, str(exc))
+        except Exception as exc:
+            problem = KwargsError(KwargsProblem.INVALID, repr(exc))
+        # Interned: 100k held triggers share one string per class and queue, not 100k copies.
+        return TriggerSpec(row["id"], row["attempt"], sys.intern(row["queue"]),
+                           sys.intern(row["classpath"]), kwargs, problem, row["task"],
+                           row["timeout_at"], row["traceparent"])
+
+    # -- a process's lease ----------------------------------------------------------------
+
+    async def register(self, kind: ProcessKind, host: str, pid: int, queues: Sequence[str],
+                       capacity: int, version: str, ttl: float) -> int:
+        row = await self._fetchrow(sql.REGISTER, str(kind), host, pid, list(queues), capacity,
+                                   version, ttl)
+        assert row is not None
+        return int(row["id"])
+
+    async def renew(self, me: int, ttl: float, running: int,
+                    queues: Sequence[str]) -> Renewal | None:
+        row = await self._fetchrow(sql.RENEW, me, ttl, running, list(queues))
+        if row is None:
+            return None
+        return Renewal(row["dead_peers"], row["live_peers"], row["peers_running"])
+
+    async def unregister(self, me: int) -> None:
+        await self._execute(sql.UNREGISTER, me)
+
+    # -- consumer ------------------------------------------------------------------------
+
+    async def claim(self, me: int, ids: Sequence[int], queues: Sequence[str]) -> ClaimResult:
+        result = ClaimResult()
+        if not ids:
+            return result
+        for row in await self._fetch(sql.CLAIM, me, list(ids), list(queues)):
+            outcome = row["outcome"]
+            if outcome == "claimed":
+                result.claimed.append(self._spec(row))
+            elif outcome == "suspect":
+                result.suspects.append(row["id"])
+            else:
+                result.refused.append(TriggerRef(row["id"], row["queue"]))
+        return result
+
+    async def claim_probation(self, me: int, queues: Sequence[str]) -> list[TriggerSpec]:
+        return [self._spec(r) for r in await self._fetch(sql.CLAIM_PROBATION, me, list(queues))]
+
+    async def clear_probation(self, me: int, ids: Sequence[int]) -> None:
+        await self._execute(sql.CLEAR_PROBATION, me, list(ids))
+
+    async def release(self, me: int, ids: Sequence[int] | None = None, *,
+                      cannot_load: bool = False, reason: str | None = None) -> list[TriggerRef]:
+        rows = await self._fetch(sql.RELEASE, me, None if ids is None else list(ids),
+                                 cannot_load, reason)
+        return [TriggerRef(r["id"], r["queue"]) for r in rows]
+
+    async def other_loaders(self, trigger_id: int, me: int) -> int:
+        row = await self._fetchrow(sql.OTHER_LOADERS, trigger_id, me)
+        return int(row["count"]) if row else 0
+
+    async def forget(self, me: int, ids: Sequence[int]) -> None:
+        await self._execute(sql.FORGET_HELD, list(ids), me)
+
+    async def sweep_cancelled(self, me: int) -> list[int]:
+        return [r["id"] for r in await self._fetch(sql.SWEEP_CANCELLED, me)]
+
+    # -- writer --------------------------------------------------------------------------
+
+    async def apply_events(self, events: Sequence[Event]) -> list[Applied]:
+        args = (
+            [e.trigger_id for e in events], [e.attempt for e in events],
+            [e.queue for e in events], [e.kind for e in events],
+            [e.payload for e in events], [e.fired_at for e in events],
+        )
+        rows: list[Record] = []
+        async with self._errors():
+            async for attempt in AsyncRetrying(
+                retry=retry_if_exception_type(_CONFLICTS), stop=stop_after_attempt(5),
+                wait=wait_random_exponential(multiplier=0.05, max=1), reraise=True,
+            ):
+                with attempt:
+                    async with self.pool.acquire() as conn:
+                        rows = await conn.fetch(sql.APPLY_EVENTS, *args)
+        return [Applied(r["kind"], r["queue"], r["latency"]) for r in rows]
+
+    # -- reaper ----------------------------------------------------------------------------
+
+    async def reap_dead(self, queues: Sequence[str] | None, max_failures: int) -> Reaped:
+        rows = await self._fetch(sql.REAP_DEAD, *_scope(queues), max_failures)
+        freed = [FreedTrigger(r["id"], r["queue"], r["classpath"], r["failures"],
+                              r["quarantined"]) for r in rows]
+        return Reaped(freed, rows[0]["dead"] if rows else 0)
+
+    async def resend_unclaimed(self, queues: Sequence[str] | None, grace: float,
+                               limit: int) -> list[TriggerRef]:
+        rows = await self._fetch(sql.RESEND_UNCLAIMED, *_scope(queues), grace, limit)
+        return [TriggerRef(r["id"], r["queue"]) for r in rows]
+
+    async def time_out_orphans(self, queues: Sequence[str] | None,
+                               max_deferral: float) -> list[int]:
+        return [r["id"] for r in await self._fetch(sql.TIMEOUT_ORPHANS, *_scope(queues),
+                                                   max_deferral)]
+
+    async def waiting_queues(self, grace: float) -> list[str]:
+        return [r["queue"] for r in await self._fetch(sql.WAITING_QUEUES, grace)]
+
+    async def queue_consumers(self, queues: Sequence[str]) -> dict[str, int]:
+        rows = await self._fetch(sql.QUEUE_CONSUMERS, list(queues))
+        return {r["q"]: int(r["consumers"]) for r in rows}
+
+    # -- SDK -----------------------------------------------------------------------------
+
+    async def defer(self, deferrals: Sequence[NewDeferral]) -> list[int]:
+        columns = (
+            [d.dag_id for d in deferrals], [d.task_id for d in deferrals],
+            [d.run_id for d in deferrals], [d.map_index for d in deferrals],
+            [d.classpath for d in deferrals], [d.stored_kwargs for d in deferrals],
+            [d.queue for d in deferrals], [d.next_method for d in deferrals],
+            [d.next_kwargs for d in deferrals], [d.timeout for d in deferrals],
+            [d.traceparent for d in deferrals],
+        )
+        return [r["id"] for r in await self._fetch(sql.DEFER, *columns)]
+
+    async def undo_defer(self, ids: Sequence[int], error: str) -> None:
+        await self._execute(sql.UNDO_DEFER, list(ids), error)
+
+    async def cancel(self, ids: Sequence[int], state: str) -> list[Cancelled]:
+        rows = await self._fetch(sql.CANCEL, list(ids), state)
+        return [Cancelled(r["id"], r["owner_id"], r["moved"]) for r in rows]

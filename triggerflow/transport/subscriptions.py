@@ -1,0 +1,171 @@
+"""Self-healing subscriptions: connect, subscribe, watch, and start over on any loss.
+
+A subscription can vanish without the connection closing (RabbitMQ's ``basic.cancel`` when a
+queue is deleted; on 3.10 a quorum queue deleted and declared again at once keeps a ghost
+consumer that swallows deliveries without sending them). Only a fresh subscribe heals the
+ghost, so with ``renew`` each check also re-subscribes (two frames). Reconnects back off
+exponentially with jitter, so many processes do not return in step after a broker restart.
+Works on any :class:`~triggerflow.transport.Transport`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+from functools import partial
+
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_exponential_jitter
+
+from triggerflow.transport.interface import DeliveryHandler, Transport
+
+log = logging.getLogger(__name__)
+
+EVENTS = "<events>"  # the writer's input, named by the transport
+
+
+class ConnectionLost(Exception):
+    """The transport's connection closed while we were watching it."""
+
+
+def _log_retry(state: RetryCallState) -> None:
+    exc = state.outcome.exception() if state.outcome else None
+    wait = state.next_action.sleep if state.next_action else 0.0
+    log.warning("broker unavailable (%r); retrying in %.1fs", exc, wait)
+
+
+class Subscriptions:
+    """The queues one loop consumes (and its control queue), kept subscribed.
+
+    ``prefetch`` bounds unacked deliveries per subscription; ``check_interval`` is how often
+    they are checked; ``renew`` re-subscribes on every check (see the module docstring).
+    While ``paused`` (a consumer at capacity) the team queues are not subscribed.
+    """
+
+    def __init__(self, transport: Transport, *, prefetch: int, check_interval: float,
+                 renew: bool = True) -> None:
+        self.transport = transport
+        self.prefetch = prefetch
+        self.check_interval = check_interval
+        self.renew = renew
+        self.connected = asyncio.Event()
+        self.paused = False
+        self.stopped = False
+        # name -> how to subscribe it (a team queue by name, or the events queue)
+        self._wanted: dict[str, Callable[[], Awaitable[str]]] = {}
+        self._tags: dict[str, str] = {}
+        self._control: tuple[int, DeliveryHandler] | None = None
+        self._control_tag: str | None = None
+
+    def add(self, queue: str, handler: DeliveryHandler) -> None:
+        self._wanted[queue] = partial(self.transport.subscribe, queue, handler,
+                                      prefetch=self.prefetch)
+
+    def add_events(self, handler: DeliveryHandler) -> None:
+        self._wanted[EVENTS] = partial(self.transport.subscribe_events, handler,
+                                       prefetch=self.prefetch)
+
+    async def set_control(self, consumer_id: int, handler: DeliveryHandler) -> None:
+        """Receive the control messages of ``consumer_id`` (again, after a new id)."""
+        self._control = (consumer_id, handler)
+        if self.transport.is_open:
+            with contextlib.suppress(Exception):
+                await self._subscribe_control()
+
+    @property
+    def subscribed(self) -> list[str]:
+        return list(self._tags)
+
+    # -- the loop ------------------------------------------------------------------------
+
+    async def run(self, on_connected: Callable[[], None] | None = None,
+                  on_lost: Callable[[], None] | None = None) -> None:
+        """Keep everything subscribed until cancelled. ``on_connected`` runs after each
+        (re)subscription, ``on_lost`` after each loss: unacked deliveries die with it."""
+        while True:
+            async for attempt in AsyncRetrying(
+                retry=retry_if_exception_type(Exception),
+                wait=wait_exponential_jitter(multiplier=0.5, max=10, jitter=0.5),
+                before_sleep=_log_retry,
+            ):
+                with attempt:
+                    try:
+                        await self._session(on_connected)
+                    finally:
+                        self.connected.clear()
+                        self._tags.clear()
+                        self._control_tag = None
+                        if on_lost is not None:
+                            on_lost()
+                        await self.transport.close()
+
+    async def _session(self, on_connected: Callable[[], None] | None) -> None:
+        await self.transport.connect()
+        await self.open()
+        if self._control is not None:
+            await self._subscribe_control()
+        self.connected.set()
+        if on_connected is not None:
+            on_connected()
+        while self.transport.is_open:
+            await self.check()
+            await self.transport.wait_closed(self.check_interval)
+        log.warning("broker connection lost; reconnecting")
+        raise ConnectionLost
+
+    # -- subscribing ---------------------------------------------------------------------
+
+    async def open(self) -> None:
+        """Subscribe every wanted queue not yet subscribed (unless paused or stopped)."""
+        if self.paused or self.stopped:
+            return
+        for name, subscribe in self._wanted.items():
+            if name not in self._tags:
+                self._tags[name] = await subscribe()
+
+    async def close(self) -> None:
+        """Unsubscribe the team queues; deliveries in hand stay ours to ack."""
+        for queue, tag in list(self._tags.items()):
+            with contextlib.suppress(Exception):
+                await self.transport.unsubscribe(tag)
+            self._tags.pop(queue, None)
+
+    async def pause(self) -> None:
+        self.paused = True
+        await self.close()
+
+    async def resume(self) -> None:
+        self.paused = False
+        if self.transport.is_open:
+            await self.open()
+
+    async def stop(self) -> None:
+        """No more subscriptions from now on (graceful shutdown)."""
+        self.stopped = True
+        await self.close()
+
+    async def _subscribe_control(self) -> None:
+        assert self._control is not None
+        consumer_id, handler = self._control
+        self._control_tag = await self.transport.subscribe_control(
+            consumer_id, handler, prefetch=self.prefetch)
+
+    async def check(self) -> None:
+        """Re-subscribe what the broker dropped; with ``renew``, renew the rest too."""
+        for queue, tag in list(self._tags.items()):
+            consuming = await self.transport.is_consuming(tag)
+            if consuming and not self.renew:
+                continue
+            if not consuming:
+                log.warning("subscription to %s was cancelled by the broker; re-subscribing",
+                            queue, extra={"queue": queue})
+            elif queue != EVENTS and await self.transport.queue_info(queue) is None:
+                log.error("queue %s no longer exists on the broker", queue, extra={"queue": queue})
+            else:
+                with contextlib.suppress(Exception):
+                    await self.transport.unsubscribe(tag)
+            del self._tags[queue]
+        if self._control_tag and not await self.transport.is_consuming(self._control_tag):
+            await self._subscribe_control()
+        await self.open()

@@ -1,0 +1,69 @@
+"""The composition root: the one place that picks and builds the real store and transport.
+
+Everything else takes a :class:`~triggerflow.store.Store` and a
+:class:`~triggerflow.transport.Transport`. A new mode (Airflow's tables) adds a branch to
+:func:`connect_store`, not a fork of the loops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING
+
+from triggerflow.codec import KwargsCodec
+from triggerflow.settings import Settings
+from triggerflow.store import Store
+from triggerflow.transport import Transport
+
+if TYPE_CHECKING:
+    from triggerflow.transport.rabbitmq import RabbitTransport
+
+
+def kwargs_codec(settings: Settings) -> KwargsCodec:
+    key = settings.kwargs_key.get_secret_value() if settings.kwargs_key else None
+    return KwargsCodec(key)
+
+
+async def connect_store(settings: Settings, *, max_size: int | None = None) -> Store:
+    """The store ``settings`` ask for, connected (native mode: PostgreSQL)."""
+    from triggerflow.store.postgres import PostgresStore
+
+    return await PostgresStore.connect(
+        settings.database_dsn(), max_size=max_size or settings.db_pool_size,
+        pgbouncer=settings.pgbouncer, codec=kwargs_codec(settings))
+
+
+def make_transport(settings: Settings, *, name: str) -> Transport:
+    """The transport ``settings`` ask for (RabbitMQ), not yet connected."""
+    return rabbit_transport(settings, name=name)
+
+
+def rabbit_transport(settings: Settings, *, name: str) -> RabbitTransport:
+    from triggerflow.transport.rabbitmq import RabbitTransport, Topology
+
+    return RabbitTransport(settings.amqp_dsn(), Topology(settings.namespace), name=name)
+
+
+async def serve_consumer(settings: Settings, stop: asyncio.Event) -> int:
+    """Run a consumer on the real store and transport until ``stop``; its exit code."""
+    from triggerflow.consumer import Consumer
+
+    store = await connect_store(settings)
+    transport = make_transport(
+        settings, name=f"triggerflow-consumer:{','.join(settings.queues)}")
+    try:
+        return await Consumer(settings, store, transport).run(stop)
+    finally:
+        await store.close()
+
+
+async def serve_writer(settings: Settings, stop: asyncio.Event) -> int:
+    """Run a writer on the real store and transport until ``stop``; its exit code."""
+    from triggerflow.writer import Writer
+
+    store = await connect_store(settings)
+    transport = make_transport(settings, name="triggerflow-writer")
+    try:
+        return await Writer(settings, store, transport).run(stop)
+    finally:
+        await store.close()
