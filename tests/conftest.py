@@ -19,10 +19,10 @@ import aio_pika
 import asyncpg
 import pytest
 
-from triggerflow.store.postgres import Database, upgrade_schema
-from triggerflow.transport.rabbitmq import RabbitTransport, Topology
 from triggerflow.sdk import TriggerflowClient
 from triggerflow.settings import Settings
+from triggerflow.store.postgres import Database, upgrade_schema
+from triggerflow.transport.rabbitmq import RabbitTransport, Topology
 
 ROOT = Path(__file__).resolve().parents[1]
 PG = os.environ.get("TRIGGERFLOW_TEST_PG", "postgresql://postgres@127.0.0.1:5432")

@@ -16,10 +16,10 @@ import pytest
 from tests.conftest import Processes, wait_until
 from tests.triggers import BadPayload, EventAfter, Killer
 from triggerflow.model import TaskKey
-from triggerflow.store.postgres import Database
-from triggerflow.transport.rabbitmq import RabbitTransport, Topology
 from triggerflow.sdk import Deferral, DeferralError, TriggerflowClient
 from triggerflow.settings import Settings
+from triggerflow.store.postgres import Database
+from triggerflow.transport.rabbitmq import RabbitTransport, Topology
 from triggerflow.triggers import DateTimeTrigger
 from triggerflow.wire import HEADER_REASON, Event, encode_events
 

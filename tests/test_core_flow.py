@@ -15,9 +15,9 @@ from pathlib import Path
 from tests.conftest import ROOT, Processes, settings_env, wait_until
 from tests.triggers import EventAfter, Raises, WaitsForever
 from triggerflow.model import TaskKey
-from triggerflow.store.postgres import Database
 from triggerflow.sdk import Deferral, TriggerflowClient
 from triggerflow.settings import Settings
+from triggerflow.store.postgres import Database
 from triggerflow.triggers import DateTimeTrigger, HttpTrigger
 from triggerflow.wire import Event, encode_events
 

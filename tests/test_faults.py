@@ -15,10 +15,10 @@ import pytest
 from tests.conftest import FAST, Processes, wait_until
 from tests.triggers import WaitsForever
 from triggerflow.model import TaskKey
-from triggerflow.store.postgres import Database
-from triggerflow.transport.rabbitmq import RabbitTransport, Topology
 from triggerflow.sdk import Deferral, TriggerflowClient
 from triggerflow.settings import Settings
+from triggerflow.store.postgres import Database
+from triggerflow.transport.rabbitmq import RabbitTransport, Topology
 from triggerflow.triggers import DateTimeTrigger
 
 # Fault tests race real processes against wall-clock bounds on a 2-core machine: a failure is

@@ -23,9 +23,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.conftest import ROOT, Processes, settings_env, wait_until
 from tests.triggers import BlocksLoop, EventAfter, Killer, Raises, Spins, WaitsForever
 from triggerflow.model import TaskKey
-from triggerflow.store.postgres import Database
 from triggerflow.sdk import Deferral, TriggerflowClient
 from triggerflow.settings import Settings
+from triggerflow.store.postgres import Database
 from triggerflow.triggers import DateTimeTrigger
 
 # Fault tests race real processes against wall-clock bounds on a 2-core machine: a failure is
@@ -107,9 +107,9 @@ def queue_gauges_wired() -> bool:
 
 
 def failure_reason_wired() -> bool:
-    from triggerflow.consumer import Consumer
+    from triggerflow.consumer.outcomes import Outcomes
 
-    return '"reason"' in inspect.getsource(Consumer._on_outcome)
+    return '"reason"' in inspect.getsource(Outcomes.emit)
 
 
 # ----------------------------------------------------------------------------- metrics

@@ -13,10 +13,10 @@ import pytest
 from tests.triggers import EventAfter, Raises, WaitsForever
 from triggerflow.codec import KwargsCodec
 from triggerflow.loader import BadKwargs, Disallowed, TriggerLoader, Unloadable
-from triggerflow.store import KwargsError, KwargsProblem, TriggerSpec
 from triggerflow.model import EventKind, is_allowed
 from triggerflow.runner import Held, TriggerRunner
 from triggerflow.settings import Settings
+from triggerflow.store import KwargsError, KwargsProblem, TriggerSpec
 from triggerflow.triggers import DateTimeTrigger, TimeDeltaTrigger
 from triggerflow.wire import (
     Event,

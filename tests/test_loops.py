@@ -1,0 +1,395 @@
+"""Fast in-process tests of the consumer's and writer's decisions, on the in-memory store and
+transport (``triggerflow.testing``). The loops are the real ones; what only real services
+show (SQL, RabbitMQ's own behaviour, restarts) stays in the other test modules."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from datetime import timedelta
+
+import pytest
+
+from triggerflow.consumer import Consumer
+from triggerflow.consumer.rebalance import excess
+from triggerflow.model import TaskKey, TaskState
+from triggerflow.settings import Settings
+from triggerflow.store import ClaimResult, ProcessKind, StoreUnavailable
+from triggerflow.testing import InMemory, ManualClock, MemoryStore
+from triggerflow.triggers import DateTimeTrigger, TimeDeltaTrigger
+from triggerflow.wire import Event, decode_wakeup, encode_events
+from triggerflow.writer import Writer
+
+QUEUE = "team-a"
+
+
+def fast_settings(**overrides: object) -> Settings:
+    values: dict[str, object] = dict(
+        queues=[QUEUE], allowed_modules=["triggerflow.triggers", "tests"], lease_ttl=2.0,
+        renew_interval=0.1, reaper_interval=0.2, cancel_sweep_interval=0.2,
+        subscription_check_interval=0.2, probation_seconds=0.1, unclaimed_grace=0.3,
+        event_linger=0.001)
+    values.update(overrides)
+    return Settings(**values)  # type: ignore[arg-type]
+
+
+async def until(check: Callable[[], bool], timeout: float = 3.0) -> None:
+    async with asyncio.timeout(timeout):
+        while not check():  # noqa: ASYNC110 - polls state the loops change
+            await asyncio.sleep(0.01)
+
+
+@contextlib.asynccontextmanager
+async def running(*parts: Consumer | Writer) -> AsyncIterator[None]:
+    stop = asyncio.Event()
+    tasks = [asyncio.create_task(p.run(stop)) for p in parts]
+    try:
+        yield
+    finally:
+        stop.set()
+        codes = await asyncio.wait_for(asyncio.gather(*tasks), 15)
+        assert codes == [0] * len(parts)
+
+
+def key(i: int) -> TaskKey:
+    return TaskKey("dag", f"t{i}", "run")
+
+
+def far() -> DateTimeTrigger:
+    return TimeDeltaTrigger(timedelta(hours=1))
+
+
+@pytest.fixture
+def mem() -> InMemory:
+    m = InMemory()
+    m.broker.declare(QUEUE)
+    return m
+
+
+# ----------------------------------------------------------------------------- end to end
+
+
+async def test_timer_fires_and_writer_schedules_the_task(mem: InMemory) -> None:
+    s = fast_settings()
+    consumer, writer = Consumer(s, mem.store, mem.transport()), Writer(s, mem.store, mem.transport())
+    async with running(consumer, writer), mem.client(s) as client:
+        await client.defer(key(1), TimeDeltaTrigger(timedelta(seconds=0.05)), queue=QUEUE,
+                           kwargs={"x": 1})
+        await until(lambda: mem.store.task(key(1)).state == TaskState.SCHEDULED)
+    task = mem.store.task(key(1))
+    assert task.next_method == "execute_complete"
+    assert task.next_kwargs["x"] == 1 and str(task.next_kwargs["event"]).startswith("20")
+    assert not mem.store.triggers
+
+
+# ----------------------------------------------------------------------------- ack after commit
+
+
+class GatedStore(MemoryStore):
+    """Claims wait for ``gate``; the first ``failures`` claims fail as a lost database."""
+
+    def __init__(self, failures: int = 0) -> None:
+        super().__init__()
+        self.gate = asyncio.Event()
+        self.failures = failures
+
+    async def claim(self, me: int, ids: Sequence[int], queues: Sequence[str]) -> ClaimResult:
+        await self.gate.wait()
+        if self.failures:
+            self.failures -= 1
+            raise StoreUnavailable("connection reset")
+        return await super().claim(me, ids, queues)
+
+
+async def test_wakeup_is_acked_only_after_the_claim_committed() -> None:
+    mem = InMemory(GatedStore())
+    mem.broker.declare(QUEUE)
+    store = mem.store
+    assert isinstance(store, GatedStore)
+    transport = mem.transport()
+    consumer = Consumer(fast_settings(), store, transport)
+    async with running(consumer), mem.client(fast_settings()) as client:
+        [tid] = await client.defer_many([_deferral(1)])
+        await until(lambda: len(transport._unacked) == 1)  # delivered, claim in flight
+        await asyncio.sleep(0.1)
+        assert len(transport._unacked) == 1, "acked before the claim committed"
+        store.gate.set()
+        await until(lambda: not transport._unacked)
+        assert store.triggers[tid].owner == consumer.me
+        assert tid in consumer.runner.running
+
+
+async def test_failed_claim_leaves_the_wakeup_unacked_for_redelivery() -> None:
+    mem = InMemory(GatedStore(failures=1))
+    mem.broker.declare(QUEUE)
+    store = mem.store
+    assert isinstance(store, GatedStore)
+    store.gate.set()
+    transport = mem.transport()
+    consumer = Consumer(fast_settings(), store, transport)
+    async with running(consumer), mem.client(fast_settings()) as client:
+        [tid] = await client.defer_many([_deferral(1)])
+        await until(lambda: store.failures == 0)
+        await asyncio.sleep(0.1)
+        assert len(transport._unacked) == 1 and store.triggers[tid].owner is None
+        await transport.kill()  # the channel closes: the wake-up goes back to the queue
+        assert len(mem.broker.ready(QUEUE)) + len(transport._unacked) >= 1
+        await until(lambda: store.triggers[tid].owner == consumer.me, timeout=5)
+
+
+def _deferral(i: int) -> object:
+    from triggerflow.sdk import Deferral
+
+    return Deferral(key(i), far(), QUEUE)
+
+
+# ----------------------------------------------------------------------------- fencing
+
+
+async def test_store_fences_events_of_a_stale_attempt() -> None:
+    clock = ManualClock()
+    mem = InMemory.with_clock(clock)
+    mem.broker.declare(QUEUE)
+    async with mem.client(fast_settings()) as client:
+        [tid] = await client.defer_many([_deferral(1)])
+    store = mem.store
+    a = await store.register(ProcessKind.CONSUMER, "h", 1, [QUEUE], 10, "v", ttl=1)
+    assert [s.attempt for s in (await store.claim(a, [tid], [QUEUE])).claimed] == [1]
+    b = await store.register(ProcessKind.CONSUMER, "h", 2, [QUEUE], 10, "v", ttl=100)
+    assert not (await store.claim(b, [tid], [QUEUE])).claimed  # a's lease is alive
+    clock.advance(2)
+    assert (await store.reap_dead([QUEUE], 30)).dead_owners == 1
+    assert [s.attempt for s in (await store.claim(b, [tid], [QUEUE])).claimed] == [2]
+    stale = Event(tid, 1, QUEUE, "resume", '{"from": "a"}', clock())
+    assert await store.apply_events([stale]) == []
+    assert store.task(key(1)).state == TaskState.DEFERRED
+    wrong_queue = Event(tid, 2, "other", "resume", "{}", clock())
+    assert await store.apply_events([wrong_queue]) == []
+    current = Event(tid, 2, QUEUE, "resume", '{"from": "b"}', clock())
+    assert len(await store.apply_events([current, current])) == 1  # duplicates: once
+    assert store.task(key(1)).next_kwargs["event"] == {"from": "b"}
+
+
+async def test_consumer_whose_lease_expired_stops_its_triggers_and_reregisters(
+    mem: InMemory,
+) -> None:
+    consumer = Consumer(fast_settings(), mem.store, mem.transport())
+    async with running(consumer), mem.client(fast_settings()) as client:
+        await client.defer_many([_deferral(i) for i in range(3)])
+        await until(lambda: len(consumer.runner) == 3)
+        old = consumer.me
+        mem.store.processes[old].expires_at = 0  # a peer declared us dead
+        await until(lambda: consumer.me != old)
+        # Fenced: it stopped what it held; the reaper freed the rows of the dead id and the
+        # new id claimed them again, one attempt later (events of attempt 1 are now stale).
+        await until(lambda: all(t.owner == consumer.me and t.attempt == 2
+                                for t in mem.store.triggers.values()))
+        assert old not in mem.store.processes
+
+
+# ----------------------------------------------------------------------------- probation
+
+
+async def test_probation_halves_suspects_and_quarantines_the_killer() -> None:
+    clock = ManualClock()
+    mem = InMemory.with_clock(clock)
+    mem.broker.declare(QUEUE)
+    async with mem.client(fast_settings()) as client:
+        ids = await client.defer_many([_deferral(i) for i in range(4)])
+    store = mem.store
+    killer = ids[2]
+
+    async def crash_with(claimed: Callable[[int], Awaitable[list[int]]]) -> list[int]:
+        me = await store.register(ProcessKind.CONSUMER, "h", 1, [QUEUE], 10, "v", ttl=1)
+        held = await claimed(me)
+        clock.advance(2)
+        await store.reap_dead([QUEUE], 30)
+        return held
+
+    async def claim_all(me: int) -> list[int]:
+        return [s.id for s in (await store.claim(me, ids, [QUEUE])).claimed]
+
+    for _ in range(2):  # two ungraceful losses with all four: all suspects now
+        assert await crash_with(claim_all) == ids
+    me = await store.register(ProcessKind.CONSUMER, "h", 1, [QUEUE], 10, "v", ttl=1)
+    assert (await store.claim(me, ids, [QUEUE])).suspects == ids
+    await store.unregister(me)
+
+    rounds = 0
+    while any(t.failures >= 2 and not t.quarantined for t in store.triggers.values()):
+        rounds += 1
+
+        async def probation(me: int) -> list[int]:
+            group = [s.id for s in await store.claim_probation(me, [QUEUE])]
+            if killer not in group:  # innocents survive their probation
+                await store.clear_probation(me, group)
+                await store.release(me, group)
+                return group
+            return group
+
+        group = await crash_with(probation)
+        assert len(group) <= 2
+        assert rounds < 10
+    assert store.triggers[killer].quarantined
+    assert all(store.triggers[i].failures == 0 for i in ids if i != killer)
+    task = store.task(key(2))
+    assert task.state == TaskState.SCHEDULED and task.next_method == "__fail__"
+    assert task.next_kwargs["error"] == "Trigger quarantined"
+    assert task.next_kwargs["deferred_next_method"] == "execute_complete"
+
+
+async def test_consumer_runs_suspects_on_probation_and_clears_them(mem: InMemory) -> None:
+    async with mem.client(fast_settings()) as client:
+        ids = await client.defer_many([_deferral(i) for i in range(4)])
+    for t in mem.store.triggers.values():
+        t.failures = 2
+    consumer = Consumer(fast_settings(), mem.store, mem.transport())
+    async with running(consumer):
+        await mem.transport().connect()
+        transport = mem.transport()
+        await transport.connect()
+        await transport.publish_wakeups({QUEUE: ids})
+        await until(lambda: all(t.failures == 0 for t in mem.store.triggers.values()))
+        await until(lambda: len(consumer.runner) == 4)
+
+
+# ----------------------------------------------------------------------------- writer
+
+
+async def test_writer_bisects_a_refused_batch_and_dead_letters_only_the_bad_event(
+    mem: InMemory,
+) -> None:
+    s = fast_settings()
+    async with mem.client(s) as client:
+        ids = await client.defer_many([_deferral(i) for i in range(8)])
+    me = await mem.store.register(ProcessKind.CONSUMER, "h", 1, [QUEUE], 10, "v", ttl=60)
+    await mem.store.claim(me, ids, [QUEUE])
+    bad = ids[5]
+    events = [Event(i, 1, QUEUE, "resume", "not json" if i == bad else f'{{"n": {i}}}', 0.0)
+              for i in ids]
+    producer = mem.transport()
+    await producer.connect()
+    writer_transport = mem.transport()
+    writer = Writer(s, mem.store, writer_transport)
+    async with running(writer):
+        await producer.publish_events(QUEUE, events)
+        await until(lambda: mem.store.task(key(5)).state == TaskState.SCHEDULED)
+        await until(lambda: not writer_transport._unacked)
+    for i in range(8):
+        task = mem.store.task(key(i))
+        assert task.state == TaskState.SCHEDULED
+        if i == 5:
+            assert task.next_method == "__fail__"
+            assert "event dead-lettered" in task.next_kwargs["message"]
+        else:
+            assert task.next_kwargs["event"] == {"n": ids[i]}
+    [dead] = mem.broker.dead
+    assert dead.reason is not None and dead.reason.startswith("database refused event")
+    assert dead.body == encode_events([events[5]])
+    assert writer.applied_total == 8
+
+
+async def test_writer_dead_letters_events_forged_by_another_team(mem: InMemory) -> None:
+    s = fast_settings(team_users={QUEUE: "team-a-user"})
+    async with mem.client(s) as client:
+        [tid] = await client.defer_many([_deferral(1)])
+    me = await mem.store.register(ProcessKind.CONSUMER, "h", 1, [QUEUE], 10, "v", ttl=60)
+    await mem.store.claim(me, [tid], [QUEUE])
+    intruder = mem.transport(user="team-b-user")
+    await intruder.connect()
+    async with running(Writer(s, mem.store, mem.transport())):
+        await intruder.publish_events(QUEUE, [Event(tid, 1, QUEUE, "success", "1", 0.0)])
+        await until(lambda: bool(mem.broker.dead))
+    assert mem.store.task(key(1)).state == TaskState.DEFERRED
+    assert mem.broker.dead[0].reason is not None and "forged" in mem.broker.dead[0].reason
+
+
+# ----------------------------------------------------------------------------- flow control
+
+
+async def test_at_capacity_the_overflow_is_republished_and_subscriptions_pause(
+    mem: InMemory,
+) -> None:
+    s = fast_settings(capacity=5, claim_batch=100)
+    transport = mem.transport()
+    consumer = Consumer(s, mem.store, transport)
+    async with mem.client(s) as client:
+        ids = await client.defer_many([_deferral(i) for i in range(8)])
+    mem.broker.queues[QUEUE].messages.clear()  # deliver them as one wake-up below
+    publisher = mem.transport()
+    await publisher.connect()
+    async with running(consumer):
+        await until(lambda: consumer.subscriptions.connected.is_set())
+        await publisher.publish_wakeups({QUEUE: ids})
+        await until(lambda: len(consumer.runner) == 5)
+        await until(lambda: not mem.broker.queues[QUEUE].subscriptions)  # paused
+        assert not transport._unacked  # the wake-up was acked, never held or nacked
+        rest = [i for m in mem.broker.ready(QUEUE) for i in decode_wakeup(m.body)]
+        assert sorted(rest) == ids[5:]
+        assert consumer.subscriptions.paused
+
+
+# ----------------------------------------------------------------------------- rebalancing
+
+
+async def test_consumer_over_its_fair_share_hands_the_excess_back(mem: InMemory) -> None:
+    s = fast_settings()
+    transport = mem.transport()
+    consumer = Consumer(s, mem.store, transport)
+    async with running(consumer), mem.client(s) as client:
+        await client.defer_many([_deferral(i) for i in range(100)])
+        await until(lambda: len(consumer.runner) == 100)
+        # A peer joined with nothing: two live consumers, 100 running in all.
+        consumer._maybe_rebalance(live_peers=2, peers_running=100)
+        await until(lambda: bool(transport.published_wakeups))
+        resent = [i for q, part in transport.published_wakeups if q == QUEUE for i in part]
+        assert len(resent) == excess(100, 2, 100, s.reclaim_rate) > 40  # to 110% of the share
+        # Released and re-sent through the queue (here this same consumer, the only one,
+        # claims them again: one attempt later).
+        await until(lambda: all(mem.store.triggers[i].attempt == 2 for i in resent))
+
+
+def test_rebalance_sheds_only_real_excess() -> None:
+    assert excess(mine=100, live_peers=1, peers_running=100, max_shed=1000) == 0
+    assert excess(mine=60, live_peers=2, peers_running=100, max_shed=1000) == 0  # < 125%
+    assert excess(mine=70, live_peers=2, peers_running=80, max_shed=1000) == 26
+    assert excess(mine=20, live_peers=2, peers_running=20, max_shed=1000) == 0  # < 20 over
+    assert excess(mine=1000, live_peers=2, peers_running=1000, max_shed=100) == 100
+
+
+# ----------------------------------------------------------------------------- cancellation
+
+
+async def test_cancel_stops_the_trigger_on_its_owner(mem: InMemory) -> None:
+    consumer = Consumer(fast_settings(), mem.store, mem.transport())
+    async with running(consumer), mem.client(fast_settings()) as client:
+        [tid] = await client.defer_many([_deferral(1)])
+        await until(lambda: tid in consumer.runner.running)
+        assert await client.cancel([tid]) == 1
+        await until(lambda: tid not in consumer.runner.running)
+        assert tid not in mem.store.triggers
+    assert mem.store.task(key(1)).state == TaskState.REMOVED
+
+
+async def test_sweep_cancels_what_the_control_message_missed(mem: InMemory) -> None:
+    consumer = Consumer(fast_settings(), mem.store, mem.transport())
+    async with running(consumer), mem.client(fast_settings()) as client:
+        [tid] = await client.defer_many([_deferral(1)])
+        await until(lambda: tid in consumer.runner.running)
+        mem.store.task(key(1)).state = TaskState.FAILED  # marked by hand, no message sent
+        await until(lambda: tid not in consumer.runner.running)
+        assert tid not in mem.store.triggers
+
+
+# ----------------------------------------------------------------------------- subscriptions
+
+
+async def test_a_silently_dropped_subscription_is_renewed(mem: InMemory) -> None:
+    consumer = Consumer(fast_settings(), mem.store, mem.transport())
+    async with running(consumer), mem.client(fast_settings()) as client:
+        await until(lambda: bool(mem.broker.subscription_tags(QUEUE)))
+        [tag] = mem.broker.subscription_tags(QUEUE)
+        mem.broker.cancel_subscription(tag)
+        [tid] = await client.defer_many([_deferral(1)])
+        await until(lambda: tid in consumer.runner.running)

@@ -1,0 +1,407 @@
+"""MemoryStore: the :class:`~triggerflow.store.Store` in one process, for tests and trials.
+
+Mirrors the native PostgreSQL store's semantics with plain dicts: fencing by attempt (an
+event applies only to the current attempt on the event's own queue, while its task is still
+deferred on that trigger), leases that expire by ``clock`` (pass a :class:`ManualClock` to
+move time by hand), probation in halving groups, quarantine of triggers blamed alone or too
+often, refusal of an event whose payload is not JSON (as ``jsonb`` refuses it). All calls
+complete at once and never raise ``StoreUnavailable``; wrap it to inject failures.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from triggerflow.codec import KwargsCodec, MissingKey
+from triggerflow.model import FAIL_METHOD, TaskKey, TaskState
+from triggerflow.store.interface import (
+    Applied,
+    Cancelled,
+    ClaimResult,
+    EventRefused,
+    FreedTrigger,
+    KwargsError,
+    KwargsProblem,
+    NewDeferral,
+    ProcessKind,
+    Reaped,
+    Renewal,
+    TriggerRef,
+    TriggerSpec,
+)
+from triggerflow.wire import Event
+
+FINAL = {"success", "failed", "skipped"}
+ORPHAN_SLACK = 2.0  # seconds past its timeout before a deferred task is failed as orphaned
+
+
+class ManualClock:
+    """A clock that moves only when told to (epoch seconds, starting now)."""
+
+    def __init__(self, start: float | None = None) -> None:
+        self.now = time.time() if start is None else start
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@dataclass
+class StoredTrigger:
+    id: int
+    classpath: str
+    kwargs: str
+    queue: str
+    timeout_at: float | None
+    traceparent: str | None
+    dispatched_at: float
+    owner: int | None = None
+    attempt: int = 0
+    failures: int = 0
+    rejected_by: set[int] = field(default_factory=set)
+    quarantined: bool = False
+    last_error: str | None = None
+
+
+@dataclass
+class StoredTask:
+    key: TaskKey
+    state: str
+    queue: str
+    next_method: str | None
+    next_kwargs: Any
+    trigger_id: int | None
+    trigger_timeout: float | None
+    updated_at: float
+    result: Any = None
+
+
+@dataclass
+class Process:
+    kind: ProcessKind
+    queues: list[str]
+    expires_at: float
+    running: int = 0
+    probation: list[int] = field(default_factory=list)
+
+
+class MemoryStore:
+    """The store as dicts. ``clock`` gives epoch seconds (leases, timeouts, dispatch times)."""
+
+    def __init__(self, clock: Callable[[], float] = time.time,
+                 codec: KwargsCodec | None = None) -> None:
+        self.clock = clock
+        self.codec = codec or KwargsCodec()
+        self.triggers: dict[int, StoredTrigger] = {}
+        self.tasks: dict[TaskKey, StoredTask] = {}
+        self.processes: dict[int, Process] = {}
+        self._ids = itertools.count(1)
+        self._process_ids = itertools.count(1)
+
+    async def close(self) -> None:
+        """Nothing to release; the contents stay for inspection."""
+
+    # -- helpers for tests ----------------------------------------------------------------
+
+    def task(self, key: TaskKey) -> StoredTask:
+        return self.tasks[key]
+
+    def _task_on(self, trigger_id: int) -> StoredTask | None:
+        return next((t for t in self.tasks.values() if t.trigger_id == trigger_id), None)
+
+    def _alive(self, process_id: int | None) -> bool:
+        p = self.processes.get(process_id) if process_id is not None else None
+        return p is not None and p.expires_at > self.clock()
+
+    def _spec(self, t: StoredTrigger) -> TriggerSpec:
+        kwargs: dict[str, Any] | None = None
+        problem: KwargsError | None = None
+        try:
+            kwargs = self.codec.decode(t.kwargs)
+        except MissingKey as exc:
+            problem = KwargsError(KwargsProblem.UNREADABLE_HERE, str(exc))
+        except Exception as exc:
+            problem = KwargsError(KwargsProblem.INVALID, repr(exc))
+        task = self._task_on(t.id)
+        return TriggerSpec(t.id, t.attempt, t.queue, t.classpath, kwargs, problem,
+                           str(task.key) if task else None, t.timeout_at, t.traceparent)
+
+    def _take(self, t: StoredTrigger, me: int) -> TriggerSpec:
+        t.owner = me
+        t.attempt += 1
+        return self._spec(t)
+
+    @staticmethod
+    def _in_scope(queue: str, queues: Sequence[str] | None) -> bool:
+        return queues is None or queue in queues
+
+    # -- a process's lease ----------------------------------------------------------------
+
+    async def register(self, kind: ProcessKind, host: str, pid: int, queues: Sequence[str],
+                       capacity: int, version: str, ttl: float) -> int:
+        me = next(self._process_ids)
+        self.processes[me] = Process(ProcessKind(kind), list(queues), self.clock() + ttl)
+        return me
+
+    async def renew(self, me: int, ttl: float, running: int,
+                    queues: Sequence[str]) -> Renewal | None:
+        if not self._alive(me):
+            return None
+        now = self.clock()
+        mine = self.processes[me]
+        mine.expires_at, mine.running = now + ttl, running
+        overlap = [p for p in self.processes.values() if set(p.queues) & set(queues)]
+        dead = [p for p in self.processes.values() if p.expires_at <= now
+                and (not queues or set(p.queues) & set(queues))]
+        live = [p for p in overlap if p.kind is ProcessKind.CONSUMER and p.expires_at > now]
+        return Renewal(len(dead), len(live), sum(p.running for p in live))
+
+    async def unregister(self, me: int) -> None:
+        for t in self.triggers.values():
+            if t.owner == me:  # dated back: the next reaper sweep re-sends it at once
+                t.owner, t.dispatched_at = None, self.clock() - 86400
+        self.processes.pop(me, None)
+
+    # -- consumer ------------------------------------------------------------------------
+
+    async def claim(self, me: int, ids: Sequence[int], queues: Sequence[str]) -> ClaimResult:
+        result = ClaimResult()
+        for trigger_id in sorted(set(ids)):
+            t = self.triggers.get(trigger_id)
+            if (t is None or t.queue not in queues or t.quarantined
+                    or (t.owner is not None and self._alive(t.owner))):
+                continue
+            refused = me in t.rejected_by
+            if refused:
+                if t.owner is None:
+                    result.refused.append(TriggerRef(t.id, t.queue))
+            elif t.failures >= 2:
+                result.suspects.append(t.id)
+            else:
+                result.claimed.append(self._take(t, me))
+        return result
+
+    async def claim_probation(self, me: int, queues: Sequence[str]) -> list[TriggerSpec]:
+        waiting = [t for t in self.triggers.values() if t.queue in queues and t.owner is None
+                   and not t.quarantined and t.failures >= 2]
+        if not waiting:
+            return []
+        worst = max(t.failures for t in waiting)
+        level = [t for t in waiting if t.failures == worst]
+        group = sorted((t for t in level if me not in t.rejected_by), key=lambda t: t.id)
+        group = group[: max(1, (len(level) + 1) // 2)]
+        self.processes[me].probation = [t.id for t in group]
+        return [self._take(t, me) for t in group]
+
+    async def clear_probation(self, me: int, ids: Sequence[int]) -> None:
+        for trigger_id in ids:
+            t = self.triggers.get(trigger_id)
+            if t is not None and t.owner == me:
+                t.failures = 0
+        if me in self.processes:
+            self.processes[me].probation = []
+
+    async def release(self, me: int, ids: Sequence[int] | None = None, *,
+                      cannot_load: bool = False, reason: str | None = None) -> list[TriggerRef]:
+        wanted = None if ids is None else set(ids)
+        refs = []
+        for t in self.triggers.values():
+            if t.owner == me and (wanted is None or t.id in wanted):
+                t.owner, t.dispatched_at = None, self.clock()
+                if cannot_load:
+                    t.rejected_by.add(me)
+                t.last_error = reason or t.last_error
+                refs.append(TriggerRef(t.id, t.queue))
+        return refs
+
+    async def other_loaders(self, trigger_id: int, me: int) -> int:
+        t = self.triggers.get(trigger_id)
+        if t is None:
+            return 0
+        return sum(1 for pid, p in self.processes.items()
+                   if p.kind is ProcessKind.CONSUMER and self._alive(pid) and t.queue in p.queues
+                   and pid not in t.rejected_by and pid != me)
+
+    async def forget(self, me: int, ids: Sequence[int]) -> None:
+        for trigger_id in ids:
+            t = self.triggers.get(trigger_id)
+            if t is not None and t.owner == me:
+                del self.triggers[trigger_id]
+
+    async def sweep_cancelled(self, me: int) -> list[int]:
+        gone = []
+        for t in list(self.triggers.values()):
+            task = self._task_on(t.id)
+            if t.owner == me and (task is None or task.state != TaskState.DEFERRED):
+                del self.triggers[t.id]
+                gone.append(t.id)
+        return gone
+
+    # -- writer --------------------------------------------------------------------------
+
+    async def apply_events(self, events: Sequence[Event]) -> list[Applied]:
+        payloads = []
+        for ev in events:  # all or nothing, as one transaction
+            try:
+                if "\\u0000" in ev.payload:
+                    raise ValueError("unsupported Unicode escape sequence \\u0000")
+                payloads.append(json.loads(ev.payload))
+            except ValueError as exc:
+                raise EventRefused(f"invalid input syntax for type json: {exc}") from exc
+        applied = []
+        for ev, payload in sorted(zip(events, payloads, strict=True),
+                                  key=lambda pair: pair[0].trigger_id):
+            t = self.triggers.get(ev.trigger_id)
+            if t is None or t.attempt != ev.attempt or t.queue != ev.queue:
+                continue  # stale attempt, wrong queue, or already applied
+            del self.triggers[t.id]
+            task = self._task_on(t.id)
+            if task is None or task.state != TaskState.DEFERRED:
+                continue
+            self._move(task, ev.kind, payload)
+            applied.append(Applied(ev.kind, ev.queue, max(0.0, time.time() - ev.fired_at)))
+        return applied
+
+    def _move(self, task: StoredTask, kind: str, payload: Any) -> None:
+        if kind == "resume":
+            task.state = TaskState.SCHEDULED
+            task.next_kwargs = {**(task.next_kwargs or {}), "event": payload}
+        elif kind == "fail":
+            task.state, task.next_method, task.next_kwargs = TaskState.SCHEDULED, FAIL_METHOD, payload
+        else:
+            task.state, task.next_method, task.next_kwargs = kind, None, None
+            task.result = payload
+        task.trigger_id = task.trigger_timeout = None
+        task.updated_at = self.clock()
+
+    # -- reaper ----------------------------------------------------------------------------
+
+    async def reap_dead(self, queues: Sequence[str] | None, max_failures: int) -> Reaped:
+        now = self.clock()
+        dead = {pid: p for pid, p in self.processes.items() if p.expires_at < now
+                and (queues is None or set(p.queues) & set(queues))}
+        freed = []
+        for t in self.triggers.values():
+            owner = dead.get(t.owner) if t.owner is not None else None
+            if owner is None:
+                continue
+            blame = not owner.probation or t.id in owner.probation
+            alone = owner.probation == [t.id]
+            if blame:
+                t.quarantined = alone or t.failures + 1 >= max_failures
+                t.failures += 1
+                t.last_error = (f"consumer {t.owner} died while running it "
+                                f"({t.failures} ungraceful losses)")
+            t.owner, t.dispatched_at = None, now
+            if t.quarantined:
+                self._fail_quarantined(t)
+            freed.append(FreedTrigger(t.id, t.queue, t.classpath, t.failures, t.quarantined))
+        for pid in dead:
+            del self.processes[pid]
+        return Reaped(freed, len(dead))
+
+    def _fail_quarantined(self, t: StoredTrigger) -> None:
+        task = self._task_on(t.id)
+        if task is None or task.state != TaskState.DEFERRED:
+            return
+        task.next_kwargs = {
+            "error": "Trigger quarantined",
+            "message": f"trigger {t.id} ({t.classpath}) was quarantined after its consumers "
+                       f"died {t.failures} time(s) while running it",
+            "deferred_next_method": task.next_method, "deferred_next_kwargs": task.next_kwargs}
+        task.state, task.next_method = TaskState.SCHEDULED, FAIL_METHOD
+        task.trigger_timeout, task.updated_at = None, self.clock()
+
+    async def resend_unclaimed(self, queues: Sequence[str] | None, grace: float,
+                               limit: int) -> list[TriggerRef]:
+        now = self.clock()
+        due = sorted((t for t in self.triggers.values()
+                      if t.owner is None and not t.quarantined and t.dispatched_at < now - grace
+                      and self._in_scope(t.queue, queues)), key=lambda t: t.dispatched_at)[:limit]
+        for t in due:
+            t.dispatched_at = now
+        return [TriggerRef(t.id, t.queue) for t in due]
+
+    async def time_out_orphans(self, queues: Sequence[str] | None,
+                               max_deferral: float) -> list[int]:
+        now = self.clock()
+        gone = []
+        for task in self.tasks.values():
+            if task.state != TaskState.DEFERRED or not self._in_scope(task.queue, queues):
+                continue
+            late = (task.trigger_timeout < now - ORPHAN_SLACK if task.trigger_timeout is not None
+                    else task.updated_at < now - max_deferral)
+            t = self.triggers.get(task.trigger_id) if task.trigger_id is not None else None
+            if not late or (t is not None and self._alive(t.owner)):
+                continue
+            task.state, task.next_method = TaskState.SCHEDULED, FAIL_METHOD
+            task.next_kwargs = {"error": "Trigger timeout",
+                                "message": "deferral timed out with no trigger running"}
+            if task.trigger_id is not None:
+                self.triggers.pop(task.trigger_id, None)
+                gone.append(task.trigger_id)
+            task.trigger_id = task.trigger_timeout = None
+            task.updated_at = now
+        return gone
+
+    async def waiting_queues(self, grace: float) -> list[str]:
+        now = self.clock()
+        return sorted({t.queue for t in self.triggers.values() if t.owner is None
+                       and not t.quarantined and t.dispatched_at < now - grace})
+
+    async def queue_consumers(self, queues: Sequence[str]) -> dict[str, int]:
+        live = [p for pid, p in self.processes.items()
+                if p.kind is ProcessKind.CONSUMER and self._alive(pid)]
+        return {q: sum(1 for p in live if q in p.queues) for q in queues}
+
+    # -- SDK -----------------------------------------------------------------------------
+
+    async def defer(self, deferrals: Sequence[NewDeferral]) -> list[int]:
+        now = self.clock()
+        ids = []
+        for d in deferrals:
+            trigger_id = next(self._ids)
+            timeout_at = now + d.timeout
+            self.triggers[trigger_id] = StoredTrigger(
+                trigger_id, d.classpath, d.stored_kwargs, d.queue, timeout_at, d.traceparent, now)
+            key = TaskKey(d.dag_id, d.task_id, d.run_id, d.map_index)
+            self.tasks[key] = StoredTask(key, TaskState.DEFERRED, d.queue, d.next_method,
+                                         json.loads(d.next_kwargs), trigger_id, timeout_at, now)
+            ids.append(trigger_id)
+        return ids
+
+    async def undo_defer(self, ids: Sequence[int], error: str) -> None:
+        for trigger_id in ids:
+            t = self.triggers.get(trigger_id)
+            if t is None or t.owner is not None:
+                continue
+            del self.triggers[trigger_id]
+            task = self._task_on(trigger_id)
+            if task is not None and task.state == TaskState.DEFERRED:
+                task.state, task.next_method, task.next_kwargs = TaskState.FAILED, None, {"error": error}
+                task.trigger_id = task.trigger_timeout = None
+
+    async def cancel(self, ids: Sequence[int], state: str) -> list[Cancelled]:
+        out = []
+        for trigger_id in ids:
+            task = self._task_on(trigger_id)
+            moved = task is not None and task.state == TaskState.DEFERRED
+            if task is not None and moved:
+                task.state, task.next_method = state, None
+                task.trigger_id = task.trigger_timeout = None
+            t = self.triggers.get(trigger_id)
+            if t is None:
+                continue
+            if t.owner is None or not self._alive(t.owner):
+                del self.triggers[trigger_id]
+                out.append(Cancelled(trigger_id, None, moved))
+            else:
+                out.append(Cancelled(trigger_id, t.owner, moved))
+        return out
