@@ -101,9 +101,9 @@ async def writer_up(db: Database, proc: subprocess.Popen[bytes]) -> None:
 
 def queue_gauges_wired() -> bool:
     """The per-queue gauges run once cli.py starts them (see the ops report)."""
-    import triggerflow.cli
+    import triggerflow.cli.main
 
-    return "start_queue_gauges" in inspect.getsource(triggerflow.cli)
+    return "start_queue_gauges" in inspect.getsource(triggerflow.cli.main)
 
 
 def failure_reason_wired() -> bool:
@@ -588,10 +588,11 @@ async def test_health_alive_stalled_dead(
 
 
 def test_configuration_reference_is_up_to_date() -> None:
+    from triggerflow.cli import main
     from triggerflow.docgen import configuration_reference
 
     page = ROOT / "docs" / "configuration.md"
-    assert page.read_text() == configuration_reference(), (
+    assert page.read_text() == configuration_reference(main), (
         "regenerate: triggerflow docs config --output docs/configuration.md")
 
 

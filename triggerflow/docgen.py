@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from collections import defaultdict
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 import click
+from yarl import URL
 
 from triggerflow.settings import Settings
 
@@ -27,11 +27,9 @@ def _commands(group: click.Group, prefix: str = "") -> list[tuple[str, click.Com
     return found
 
 
-def _used_by() -> dict[str, list[str]]:
-    from triggerflow.cli import main
-
+def _used_by(cli: click.Group) -> dict[str, list[str]]:
     users: dict[str, list[str]] = defaultdict(list)
-    for path, cmd in _commands(main):
+    for path, cmd in _commands(cli):
         for param in cmd.params:
             if param.name in Settings.model_fields:
                 users[param.name].append(path)
@@ -41,12 +39,10 @@ def _used_by() -> dict[str, list[str]]:
 def _default(value: Any) -> str:
     if hasattr(value, "get_secret_value"):
         value = value.get_secret_value()
-        parts = urlsplit(value) if "://" in value else None
-        if parts is None or parts.password is None:
-            return "(secret)" if parts is None else f"`{value}`"
-        host = parts.hostname or ""
-        netloc = f"{parts.username}:***@{host}" + (f":{parts.port}" if parts.port else "")
-        return f"`{urlunsplit(parts._replace(netloc=netloc))}`"
+        if "://" not in value:
+            return "(secret)"
+        url = URL(value)
+        return f"`{url.with_password('***') if url.password is not None else url}`"
     if value is None:
         return "(none)"
     if isinstance(value, list | dict):
@@ -56,8 +52,10 @@ def _default(value: Any) -> str:
     return f"`{value!r}`"
 
 
-def configuration_reference() -> str:
-    users = _used_by()
+def configuration_reference(cli: click.Group) -> str:
+    """The configuration page; ``cli`` (the ``triggerflow`` group) says which commands take
+    each setting as a flag."""
+    users = _used_by(cli)
     lines = [
         "# Configuration reference",
         "",
@@ -73,11 +71,11 @@ def configuration_reference() -> str:
     ]
     for name, info in Settings.model_fields.items():
         default = _default(info.get_default(call_default_factory=True))
-        flag = "--queue" if name == "queues" else "--" + name.replace("_", "-")
+        flag = Settings.flag_name(name)
         commands = ", ".join(f"`{c}`" for c in users.get(name, [])) or "(variable only)"
         description = (info.description or "").replace("|", "\\|")
         lines.append(
-            f"| `TRIGGERFLOW_{name.upper()}` | `{flag}` | {default} | {commands} | {description} |"
+            f"| `{Settings.env_name(name)}` | `{flag}` | {default} | {commands} | {description} |"
         )
     lines += [
         "",

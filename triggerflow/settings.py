@@ -7,6 +7,7 @@ from typing import Annotated, Any
 
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+from yarl import URL
 
 
 class Settings(BaseSettings):
@@ -109,11 +110,22 @@ class Settings(BaseSettings):
             return [part.strip() for part in value.split(",") if part.strip()]
         return value
 
+    @staticmethod
+    def env_name(field: str) -> str:
+        """The environment variable of a field (the one naming rule; see ``model_config``)."""
+        return f"TRIGGERFLOW_{field.upper()}"
+
+    @staticmethod
+    def flag_name(field: str) -> str:
+        """The CLI flag of a field: ``--field-name`` (``--queue``, repeatable, for queues)."""
+        return "--queue" if field == "queues" else "--" + field.replace("_", "-")
+
     def amqp_dsn(self) -> str:
-        url = self.amqp_url.get_secret_value()
-        if "heartbeat=" in url:
-            return url
-        return f"{url}{'&' if '?' in url else '?'}heartbeat={self.heartbeat}"
+        """The AMQP URL with ``heartbeat`` added as a query parameter unless it has one."""
+        url = URL(self.amqp_url.get_secret_value())
+        if "heartbeat" in url.query:
+            return str(url)
+        return str(url.update_query(heartbeat=self.heartbeat))
 
     def database_dsn(self) -> str:
         return self.database_url.get_secret_value()
@@ -130,6 +142,6 @@ class Settings(BaseSettings):
                 value = value.get_secret_value()
             if isinstance(value, list | dict):
                 value = json.dumps(value)
-            env[f"TRIGGERFLOW_{key.upper()}"] = str(value)
+            env[self.env_name(key)] = str(value)
         return env
 

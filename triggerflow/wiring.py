@@ -16,6 +16,7 @@ from triggerflow.store import Store
 from triggerflow.transport import Transport
 
 if TYPE_CHECKING:
+    from triggerflow.store.postgres import Database
     from triggerflow.transport.rabbitmq import RabbitTransport
 
 
@@ -67,3 +68,11 @@ async def serve_writer(settings: Settings, stop: asyncio.Event) -> int:
         return await Writer(settings, store, transport).run(stop)
     finally:
         await store.close()
+
+
+async def admin_database(settings: Settings) -> Database:
+    """One connection to the native tables for the operator commands and gauges."""
+    from triggerflow.store.postgres import Database
+
+    return await Database.connect(settings.database_dsn(), max_size=1,
+                                  pgbouncer=settings.pgbouncer)

@@ -160,11 +160,10 @@ def _shape(sql: str) -> str:
 
 
 def _with_user(dsn: str, user: str) -> str:
-    from urllib.parse import urlsplit, urlunsplit
+    from sqlalchemy.engine import make_url
 
-    parts = urlsplit(dsn)
-    host = parts.netloc.rsplit("@", 1)[-1]
-    return urlunsplit(parts._replace(netloc=f"{user}@{host}"))
+    url = make_url(dsn).set(username=user, password=None)
+    return url.render_as_string(hide_password=False)
 
 
 def _proc_rss(pid: int) -> int:

@@ -1,101 +1,33 @@
-"""The CLI: parse -> settings -> build -> run one function -> exit code.
+"""The ``triggerflow`` command group: set-up, services and the SDK's operations.
 
-Every ``Settings`` field a command uses is an option whose env var (``TRIGGERFLOW_*``) is
-shown in ``--help``. Exit codes: 0 ok, 1 failure, 2 usage error, 3 status needs attention.
+parse -> settings -> build -> run one function -> exit code. Exit codes: 0 ok, 1 failure,
+2 usage error, 3 status needs attention. Operator commands register from ``status``,
+``admin`` and ``tools``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import signal
 import sys
-from collections.abc import Callable, Coroutine
-from typing import Any, TypeVar
+from typing import Any
 
 import click
-from pydantic import ValidationError
 
+from triggerflow.cli import admin, status, tools
+from triggerflow.cli.options import (
+    CONNECTION,
+    CONSUMER,
+    SDK,
+    TELEMETRY,
+    WRITER,
+    build_settings,
+    fail,
+    run_async,
+    settings_options,
+    stop_on_signals,
+)
 from triggerflow.settings import Settings
-
-F = TypeVar("F", bound=Callable[..., Any])
-
-CONNECTION = ("amqp_url", "database_url", "namespace", "heartbeat", "db_pool_size", "pgbouncer",
-              "log_level", "log_format")
-TELEMETRY = ("metrics_port", "otlp_endpoint", "trace_file")
-CONSUMER = ("queues", "capacity", "allowed_modules", "lease_ttl", "renew_interval",
-            "claim_batch", "prefetch", "reclaim_rate", "probation_seconds",
-            "max_failures", "blocked_threshold", "subscription_check_interval", "event_batch",
-            "event_linger", "max_event_bytes", "reaper_interval", "cancel_sweep_interval",
-            "unclaimed_grace", "max_deferral", "kwargs_key")
-WRITER = ("writer_batch", "writer_prefetch", "team_users", "lease_ttl", "renew_interval",
-          "reaper_interval", "unclaimed_grace", "max_deferral", "reclaim_rate",
-          "subscription_check_interval")
-SDK = ("allowed_modules", "max_kwargs_bytes", "max_deferral", "kwargs_key")
-
-
-def settings_options(*names: str) -> Callable[[F], F]:
-    """Add one option per Settings field, named ``--field-name``, env ``TRIGGERFLOW_FIELD``."""
-
-    def decorate(fn: F) -> F:
-        for name in reversed(names):
-            info = Settings.model_fields[name]
-            flag = "--" + ("queue" if name == "queues" else name.replace("_", "-"))
-            env = f"TRIGGERFLOW_{name.upper()}"
-            annotation = str(info.annotation)
-            kwargs: dict[str, Any] = {"help": info.description, "envvar": env,
-                                      "show_envvar": True, "default": None}
-            if "list" in annotation:
-                # pydantic-settings reads the env var itself ("a,b" or JSON); click would
-                # split it on whitespace.
-                kwargs.update(multiple=True, default=(), envvar=None, show_envvar=False,
-                              help=f"{info.description} Repeatable.  [env var: {env}]")
-            elif info.annotation is bool:
-                flag = f"{flag}/--no-{flag[2:]}"
-            elif info.annotation is int:
-                kwargs["type"] = int
-            elif info.annotation is float:
-                kwargs["type"] = float
-            fn = click.option(flag, name, **kwargs)(fn)
-        return fn
-
-    return decorate
-
-
-def build_settings(values: dict[str, Any]) -> Settings:
-    given: dict[str, Any] = {}
-    for key, value in values.items():
-        if key not in Settings.model_fields or value is None or value == ():
-            continue
-        if isinstance(value, tuple):  # repeatable flags; an env var may hold "a,b" or JSON
-            if len(value) == 1 and str(value[0]).lstrip().startswith("["):
-                value = json.loads(value[0])
-            else:
-                value = [part for item in value
-                         for part in str(item).replace(" ", ",").split(",") if part]
-        elif key == "team_users" and isinstance(value, str):
-            value = json.loads(value)
-        given[key] = value
-    try:
-        return Settings(**given)
-    except ValidationError as exc:
-        raise click.UsageError(str(exc)) from None
-
-
-def run_async(main: Coroutine[Any, Any, int | None]) -> int:
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run(main) or 0
-    return uvloop.run(main) or 0
-
-
-def stop_on_signals() -> asyncio.Event:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    return stop
 
 
 def _setup_process(settings: Settings, service: str) -> None:
@@ -105,14 +37,9 @@ def _setup_process(settings: Settings, service: str) -> None:
     telemetry.setup(service=service, metrics_port=settings.metrics_port,
                     otlp_endpoint=settings.otlp_endpoint, trace_file=settings.trace_file)
     if settings.metrics_port or settings.otlp_endpoint:
-        from triggerflow.cliops import start_queue_gauges
+        from triggerflow.queue_gauges import start_queue_gauges
 
         start_queue_gauges(settings, all_queues=service == "triggerflow-writer")
-
-
-def _fail(message: str) -> None:
-    click.echo(f"error: {message}", err=True)
-    sys.exit(1)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -121,7 +48,7 @@ def main() -> None:
     """triggerflow: deferrable triggers on RabbitMQ, with PostgreSQL as the durable record."""
 
 
-# ----------------------------------------------------------------------------- set-up
+# -- set-up
 
 
 @main.group()
@@ -142,7 +69,7 @@ def db_upgrade(revision: str, **values: Any) -> None:
         created = asyncio.run(ensure_database(dsn))
         upgrade_schema(dsn, revision)
     except Exception as exc:
-        _fail(f"database upgrade failed: {exc}")
+        fail(f"database upgrade failed: {exc}")
     click.echo(f"database {database_name(dsn)}: {'created and ' if created else ''}at {revision}")
 
 
@@ -173,11 +100,11 @@ def topology_apply(delivery_limit: int, **values: Any) -> None:
     try:
         asyncio.run(go())
     except Exception as exc:
-        _fail(f"topology apply failed: {exc}")
+        fail(f"topology apply failed: {exc}")
     click.echo(f"topology {settings.namespace}: queues {', '.join(settings.queues) or '(none)'}")
 
 
-# ----------------------------------------------------------------------------- services
+# -- services
 
 
 @main.command()
@@ -212,7 +139,7 @@ def writer(**values: Any) -> None:
     sys.exit(run_async(go()))
 
 
-# ----------------------------------------------------------------------------- operators
+# -- what the SDK does, from the shell
 
 
 @main.command()
@@ -231,7 +158,7 @@ def writer(**values: Any) -> None:
 def defer(queue: str, classpath: str, kwargs_json: str, count: int, timeout: float | None,
           dag_id: str, batch: int, **values: Any) -> None:
     """Create COUNT task instances and defer them on a trigger (smoke tests, operators)."""
-    from triggerflow.cliops import shell_defer
+    from triggerflow.cli.admin import shell_defer
 
     settings = build_settings(values)
     try:
@@ -242,7 +169,7 @@ def defer(queue: str, classpath: str, kwargs_json: str, count: int, timeout: flo
         ids = asyncio.run(shell_defer(settings, queue, classpath, kwargs, count, timeout,
                                       dag_id, batch))
     except Exception as exc:
-        _fail(str(exc))
+        fail(str(exc))
     click.echo(f"deferred {len(ids)} task(s) on {classpath} to {queue}: trigger ids "
                f"{ids[0]}..{ids[-1]}")
 
@@ -266,10 +193,10 @@ def cancel(trigger_ids: tuple[int, ...], state: str, **values: Any) -> None:
     try:
         n = asyncio.run(go())
     except Exception as exc:
-        _fail(str(exc))
+        fail(str(exc))
     click.echo(f"cancelled {n} task(s); {len(trigger_ids) - n} already not deferred")
 
 
-from triggerflow import cliops as _cliops  # noqa: E402 - admin commands register on main
 
-_cliops.register(main, settings_options, build_settings, CONNECTION)
+for _commands in (status, admin, tools):
+    _commands.register(main)

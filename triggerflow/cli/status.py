@@ -1,0 +1,214 @@
+"""``status`` and ``health``: what runs, what waits, what needs attention."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import sys
+from datetime import datetime
+from typing import Any
+
+import click
+
+from triggerflow.cli.options import CONNECTION, build_settings, settings_options
+from triggerflow.redact import Redactor
+from triggerflow.settings import Settings
+from triggerflow.store.postgres.admin import (
+    HEALTH,
+    QUARANTINED,
+    SHOW_TRIGGER,
+    STATUS_CONSUMERS,
+    STATUS_OVERDUE,
+    STATUS_QUEUES,
+)
+from triggerflow.transport import QueueInfo
+from triggerflow.wiring import admin_database, rabbit_transport
+
+EXIT_ATTENTION = 3
+
+
+async def collect_status(settings: Settings) -> dict[str, Any]:
+    """Queues, processes, overdue and quarantined triggers, and the problems among them."""
+    redact = Redactor(settings)
+    db = await admin_database(settings)
+    try:
+        process_rows: list[Any] = await db.fetch(STATUS_CONSUMERS)
+        queue_rows: list[Any] = await db.fetch(STATUS_QUEUES)
+        overdue = await db.fetchval(STATUS_OVERDUE)
+        quarantine_rows: list[Any] = await db.fetch(QUARANTINED)
+    finally:
+        await db.close()
+    consumers = [dict(r) for r in process_rows]
+    queues = {r["queue"]: dict(r) for r in queue_rows}
+    quarantined = [dict(r) for r in quarantine_rows]
+    names = set(queues) | set(settings.queues)
+    for c in consumers:
+        names.update(c["queues"])
+    broker_info: dict[str, QueueInfo | None] = {}
+    broker_error = None
+    try:
+        broker = rabbit_transport(settings, name="triggerflow-status")
+        await broker.connect()
+        try:
+            for name in sorted(names):
+                broker_info[name] = await broker.queue_info(name)
+        finally:
+            await broker.close()
+    except Exception as exc:
+        broker_error = redact(str(exc) or type(exc).__name__)
+    report_queues = []
+    problems: list[str] = []
+    for name in sorted(names):
+        live = [c for c in consumers if c["alive"] and c["kind"] == "consumer"
+                and name in c["queues"]]
+        row = queues.get(name, {})
+        info = broker_info.get(name)
+        entry = {
+            "queue": name,
+            "depth": info[0] if info else None,
+            "broker_consumers": info[1] if info else None,
+            "consumers": len(live),
+            "running": row.get("owned", 0) - row.get("dead_owner", 0),
+            "triggers": row.get("triggers", 0),
+            "unclaimed": row.get("unclaimed", 0),
+            "quarantined": row.get("quarantined", 0),
+            "dead_owner": row.get("dead_owner", 0),
+        }
+        report_queues.append(entry)
+        if not live and (entry["triggers"] or name in settings.queues):
+            problems.append(f"queue {name} has no live consumer")
+        if entry["dead_owner"]:
+            problems.append(f"queue {name}: {entry['dead_owner']} triggers held by dead owners")
+        if info is None and not broker_error:
+            problems.append(f"queue {name} does not exist on the broker")
+    if quarantined:
+        problems.append(f"{len(quarantined)} quarantined trigger(s)")
+    if overdue:
+        problems.append(f"{overdue} deferred task(s) past their timeout")
+    if broker_error:
+        problems.append(f"broker unreachable: {broker_error}")
+    for q in quarantined:
+        q["last_error"] = redact(q["last_error"]) if q["last_error"] else q["last_error"]
+    return {"queues": report_queues, "consumers": consumers, "overdue_tasks": overdue,
+            "quarantined": quarantined, "problems": problems}
+
+
+def _render_status(report: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    # Piped into a file or a pod log, do not fold queue names at 80 columns.
+    console = Console(width=None if sys.stdout.isatty() else 200)
+    t = Table(title="Queues")
+    for col in ("queue", "depth", "consumers", "running", "triggers", "unclaimed",
+                "quarantined", "dead owner"):
+        t.add_column(col, justify="left" if col == "queue" else "right", no_wrap=True)
+    for q in report["queues"]:
+        t.add_row(q["queue"], "-" if q["depth"] is None else str(q["depth"]), str(q["consumers"]),
+                  str(q["running"]), str(q["triggers"]), str(q["unclaimed"]),
+                  str(q["quarantined"]), str(q["dead_owner"]))
+    console.print(t)
+    c = Table(title="Processes")
+    for col in ("id", "kind", "host", "pid", "queues", "running", "capacity", "last renewal",
+                "alive"):
+        c.add_column(col, no_wrap=col != "queues")
+    for p in report["consumers"]:
+        c.add_row(str(p["id"]), p["kind"], p["host"], str(p["pid"]), ",".join(p["queues"]),
+                  str(p["running"]), str(p["capacity"]),
+                  p["renewed_at"].strftime("%H:%M:%S.%f")[:-3], "yes" if p["alive"] else "NO")
+    console.print(c)
+    if report["quarantined"]:
+        qt = Table(title="Quarantined triggers")
+        for col in ("id", "queue", "class", "failures", "last error"):
+            qt.add_column(col)
+        for r in report["quarantined"]:
+            qt.add_row(str(r["id"]), r["queue"], r["classpath"], str(r["failures"]),
+                       r["last_error"] or "")
+        console.print(qt)
+    console.print(f"Deferred tasks past their timeout: {report['overdue_tasks']}")
+    for p in report["problems"]:
+        console.print(f"[bold red]attention:[/] {p}", markup=True, highlight=False)
+    if not report["problems"]:
+        console.print("[green]all queues served[/]")
+
+
+def json_default(value: Any) -> Any:
+    if isinstance(value, datetime):
+        return value.isoformat()
+    return str(value)
+
+
+async def check_health(settings: Settings, host: str, kind: str,
+                       pid: int | None) -> tuple[bool, str]:
+    """(healthy, one-line reason) for the newest matching process row on ``host``."""
+    db = await admin_database(settings)
+    try:
+        rows: list[Any] = await db.fetch(HEALTH, host, kind, pid)
+    finally:
+        await db.close()
+    what = "triggerflow process" if kind == "any" else kind
+    if pid is not None:
+        what += f" with pid {pid}"
+    alive = [r for r in rows if r["alive"]]
+    if alive:
+        r = alive[0]
+        return True, f"ok: {r['kind']} {r['id']} (pid {r['pid']}) renewed {r['age']:.1f}s ago"
+    if rows:
+        r = rows[0]
+        return False, (f"stalled: {r['kind']} {r['id']} (pid {r['pid']}) last renewed "
+                       f"{r['age']:.1f}s ago; its lease has expired")
+    return False, f"dead: no live {what} on {host}"
+
+
+async def fetch_trigger(settings: Settings, trigger_id: int) -> dict[str, Any] | None:
+    db = await admin_database(settings)
+    try:
+        row = await db.fetchrow(SHOW_TRIGGER, trigger_id)
+        return dict(row) if row else None
+    finally:
+        await db.close()
+
+
+def register(main: click.Group) -> None:
+    """Add ``status`` and ``health`` to ``main``."""
+    connection = CONNECTION
+
+    @main.command()
+    @settings_options(*connection, "queues")
+    @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+    def status(as_json: bool, **values: Any) -> None:
+        """Queues (depth, consumers, running), processes, overdue and quarantined triggers.
+
+        Exit 3 when something needs attention: a queue with triggers (or named by --queue)
+        and no live consumer, triggers held by dead owners, quarantined triggers, deferred
+        tasks past their timeout, or an unreachable broker."""
+        settings = build_settings(values)
+        redact = Redactor(settings)
+        try:
+            report = asyncio.run(collect_status(settings))
+        except Exception as exc:
+            click.echo(redact(f"error: {exc}"), err=True)
+            sys.exit(1)
+        if as_json:
+            click.echo(redact(json.dumps(report, default=json_default, indent=2)))
+        else:
+            _render_status(report)
+        sys.exit(EXIT_ATTENTION if report["problems"] else 0)
+
+    @main.command()
+    @settings_options(*connection)
+    @click.option("--kind", type=click.Choice(["any", "consumer", "writer"]), default="any",
+                  show_default=True, help="Which process must be alive on this host.")
+    @click.option("--pid", type=int, default=None, help="Only the process with this pid.")
+    def health(kind: str, pid: int | None, **values: Any) -> None:
+        """Liveness probe: exit 0 when this host's consumer/writer is alive and renewing its
+        lease, 1 otherwise (stalled: lease expired; dead: no process), with a one-line reason."""
+        settings = build_settings(values)
+        try:
+            ok, line = asyncio.run(asyncio.wait_for(
+                check_health(settings, socket.gethostname(), kind, pid), timeout=10))
+        except Exception as exc:
+            ok, line = False, f"unhealthy: cannot check ({type(exc).__name__}: {exc})"
+        click.echo(Redactor(settings)(line))
+        sys.exit(0 if ok else 1)

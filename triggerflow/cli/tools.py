@@ -1,0 +1,56 @@
+"""``demo``, ``bench`` and ``docs``: the commands that are not part of running triggerflow."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import click
+
+from triggerflow.cli.options import CONNECTION, build_settings, settings_options
+
+
+def register(main: click.Group) -> None:
+    """Add ``demo``, ``bench`` and ``docs config`` to ``main``."""
+    connection = CONNECTION
+
+    @main.command()
+    @click.option("--tasks", type=int, default=24, show_default=True,
+                  help="Timer tasks per team (plus one task of each other kind).")
+    @click.option("--keep-running", is_flag=True, help="Leave the processes up at the end.")
+    @settings_options(*connection)
+    def demo(tasks: int, keep_running: bool, **values: Any) -> None:
+        """Set up, start a writer, two team consumers and a resumer, defer a mix, show results."""
+        from triggerflow.demo import run_demo
+
+        sys.exit(run_demo(build_settings(values), tasks, keep_running))
+
+    @main.command()
+    @click.argument("scenarios", nargs=-1)
+    @click.option("--quick", is_flag=True, help="Tiny sizes (smoke test).")
+    @settings_options(*connection)
+    def bench(scenarios: tuple[str, ...], quick: bool, **values: Any) -> None:
+        """Benchmark against the real broker and database; prints a table per scenario."""
+        from triggerflow.bench import run_bench
+
+        sys.exit(run_bench(build_settings(values), list(scenarios), quick))
+
+    @main.group()
+    def docs() -> None:
+        """Generated documentation."""
+
+    @docs.command("config")
+    @click.option("--output", type=click.Path(dir_okay=False), default="-",
+                  help="File to write (default stdout).")
+    def docs_config(output: str) -> None:
+        """Print the configuration reference generated from the settings model."""
+        from triggerflow.docgen import configuration_reference
+
+        root = click.get_current_context().find_root().command
+        assert isinstance(root, click.Group)
+        text = configuration_reference(root)
+        if output == "-":
+            click.echo(text, nl=False)
+        else:
+            with open(output, "w") as fh:
+                fh.write(text)
