@@ -22,6 +22,7 @@ import pytest
 from triggerflow.sdk import TriggerflowClient
 from triggerflow.settings import Settings
 from triggerflow.store.postgres import Database, upgrade_schema
+from triggerflow.supervise import Supervisor, child_env
 from triggerflow.transport.rabbitmq import RabbitTransport, Topology
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -134,11 +135,7 @@ async def client(settings: Settings, topology: Topology) -> AsyncIterator[Trigge
 
 def settings_env(settings: Settings, **overrides: Any) -> dict[str, str]:
     """The environment that gives a CLI subprocess exactly these settings."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TRIGGERFLOW_")}
-    env.update(settings.as_env(**overrides))
-    env["PYTHONPATH"] = str(ROOT)
-    env["PYTHONUNBUFFERED"] = "1"
-    return env
+    return child_env(settings, pythonpath=str(ROOT), **overrides)
 
 
 class Processes:
@@ -146,24 +143,18 @@ class Processes:
 
     def __init__(self, settings: Settings, logdir: Path) -> None:
         self.settings = settings
-        self.logdir = logdir
-        self.procs: list[subprocess.Popen[bytes]] = []
-        self._n = 0
+        self.supervisor = Supervisor(logdir, cwd=ROOT)
+
+    @property
+    def procs(self) -> list[subprocess.Popen[bytes]]:
+        return self.supervisor.children
 
     def start(self, *args: str, extra_pythonpath: str | None = None,
               **overrides: Any) -> subprocess.Popen[bytes]:
-        self._n += 1
-        log = open(self.logdir / f"{self._n:02d}-{args[0]}.log", "wb")  # noqa: SIM115
         env = settings_env(self.settings, **overrides)
         if extra_pythonpath:
             env["PYTHONPATH"] = f"{extra_pythonpath}{os.pathsep}{env['PYTHONPATH']}"
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "triggerflow", *args],
-            env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
-        )
-        proc.log_path = log.name  # type: ignore[attr-defined]
-        self.procs.append(proc)
-        return proc
+        return self.supervisor.start(*args, env=env)
 
     def consume(self, *queues: str, **overrides: Any) -> subprocess.Popen[bytes]:
         args = ["consume"]
@@ -174,18 +165,11 @@ class Processes:
     def writer(self, **overrides: Any) -> subprocess.Popen[bytes]:
         return self.start("writer", **overrides)
 
-    @staticmethod
-    def log(proc: subprocess.Popen[bytes]) -> str:
-        return Path(proc.log_path).read_text(errors="replace")  # type: ignore[attr-defined]
+    def log(self, proc: subprocess.Popen[bytes]) -> str:
+        return self.supervisor.log(proc)
 
     def stop_all(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGCONT)
-                p.kill()
-        for p in self.procs:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                p.wait(timeout=10)
+        self.supervisor.stop_all(sig=signal.SIGKILL, grace=10)
 
 
 @pytest.fixture
@@ -195,7 +179,7 @@ def procs(settings: Settings, topology: Topology, tmp_path: Path) -> Iterator[Pr
     p.stop_all()
     if os.environ.get("TRIGGERFLOW_TEST_SHOW_LOGS"):
         for proc in p.procs:
-            sys.stderr.write(Processes.log(proc))
+            sys.stderr.write(p.log(proc))
 
 
 async def wait_until(

@@ -23,10 +23,6 @@ from triggerflow.transport.rabbitmq import RabbitTransport, Topology
 from triggerflow.triggers import DateTimeTrigger
 from triggerflow.wire import HEADER_REASON, Event, encode_events
 
-# Fault tests race real processes against wall-clock bounds on a 2-core machine: a failure is
-# run once more (and reported as a rerun) before it counts.
-pytestmark = pytest.mark.flaky(reruns=1, reruns_delay=2)
-
 
 async def dead_letters(settings: Settings, expect: int, timeout: float = 10) -> list[tuple[bytes, str]]:
     """Read ``expect`` messages off the namespace's dead-letter queue."""

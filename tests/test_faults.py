@@ -21,10 +21,6 @@ from triggerflow.store.postgres import Database
 from triggerflow.transport.rabbitmq import RabbitTransport, Topology
 from triggerflow.triggers import DateTimeTrigger
 
-# Fault tests race real processes against wall-clock bounds on a 2-core machine: a failure is
-# run once more (and reported as a rerun) before it counts.
-pytestmark = pytest.mark.flaky(reruns=1, reruns_delay=2)
-
 FAILOVER_BOUND = FAST["lease_ttl"] + FAST["renew_interval"] + 1.5  # ttl + one renewal + claim
 
 
@@ -74,7 +70,7 @@ async def test_consumer_loss_fails_over_to_peer(
     assert took < bound, f"failover after {sig.name} took {took:.2f}s (bound {bound}s)"
     if sig == signal.SIGTERM:
         assert first.wait(timeout=10) == 0
-        assert "handed back" in Processes.log(first)
+        assert "handed back" in procs.log(first)
         # A graceful hand-over is not counted against the triggers.
         assert await db.fetchval("SELECT max(failures) FROM trigger") == 0
     else:
@@ -104,7 +100,7 @@ async def test_paused_consumer_is_fenced_and_reregisters(
     assert new_id > sleeper_id
     await asyncio.sleep(1.5)
     assert await db.fetchval("SELECT max(updated_at) FROM task_instance") == applied
-    assert "lease lost" in Processes.log(sleeper)
+    assert "lease lost" in procs.log(sleeper)
 
 
 async def test_task_cleared_by_hand_cancels_trigger_on_owner(
@@ -249,7 +245,7 @@ async def test_orphan_timeout_and_unconsumed_queue_reported(
     await client.defer(TaskKey("o", "t2", "r"), DateTimeTrigger(
         datetime.now(UTC) + timedelta(hours=1)), queue=teams[1])
     await wait_until(lambda: asyncio.sleep(
-        0, f"queue {teams[1]} has no live consumer" in Processes.log(writer)), 15)
+        0, f"queue {teams[1]} has no live consumer" in procs.log(writer)), 15)
 
 
 async def test_sdk_survives_broker_and_database_restarts(

@@ -34,7 +34,7 @@ def fast_settings(**overrides: object) -> Settings:
     return Settings(**values)  # type: ignore[arg-type]
 
 
-async def until(check: Callable[[], bool], timeout: float = 3.0) -> None:
+async def until(check: Callable[[], bool], timeout: float = 10.0) -> None:
     async with asyncio.timeout(timeout):
         while not check():  # noqa: ASYNC110 - polls state the loops change
             await asyncio.sleep(0.01)
@@ -135,7 +135,7 @@ async def test_failed_claim_leaves_the_wakeup_unacked_for_redelivery() -> None:
         assert len(transport._unacked) == 1 and store.triggers[tid].owner is None
         await transport.kill()  # the channel closes: the wake-up goes back to the queue
         assert len(mem.broker.ready(QUEUE)) + len(transport._unacked) >= 1
-        await until(lambda: store.triggers[tid].owner == consumer.me, timeout=5)
+        await until(lambda: store.triggers[tid].owner == consumer.me)
 
 
 def _deferral(i: int) -> object:

@@ -28,10 +28,6 @@ from triggerflow.settings import Settings
 from triggerflow.store.postgres import Database
 from triggerflow.triggers import DateTimeTrigger
 
-# Fault tests race real processes against wall-clock bounds on a 2-core machine: a failure is
-# run once more (and reported as a rerun) before it counts.
-pytestmark = pytest.mark.flaky(reruns=1, reruns_delay=2)
-
 # ----------------------------------------------------------------------------- helpers
 
 
@@ -317,8 +313,8 @@ async def test_sleeping_trigger_is_named_in_a_warning_and_a_metric(
     await wait_until(lambda: db.fetchval(
         "SELECT state = 'scheduled' FROM task_instance"), 20, message="BlocksLoop resumed")
     culprit = f"by trigger tests.triggers.BlocksLoop (id {tid})"
-    lines = [line for line in Processes.log(consumer).splitlines() if culprit in line]
-    assert lines, Processes.log(consumer)
+    lines = [line for line in procs.log(consumer).splitlines() if culprit in line]
+    assert lines, procs.log(consumer)
     assert "WARNING" in lines[0]
     # Reported while still blocking: the first report comes before the 0.8 s sleep ends.
     first = float(lines[0].split("blocked for ")[1].split("s ")[0])
@@ -327,7 +323,7 @@ async def test_sleeping_trigger_is_named_in_a_warning_and_a_metric(
     assert total(s, "triggerflow_triggers_blocked_main_thread_total",
                  trigger_class="tests.triggers.BlocksLoop") >= 1
     # A block shorter than the lease costs nothing else.
-    assert "lease lost" not in Processes.log(consumer)
+    assert "lease lost" not in procs.log(consumer)
 
 
 async def test_spinning_trigger_is_named_costs_its_lease_and_its_triggers_move(
@@ -351,7 +347,7 @@ async def test_spinning_trigger_is_named_costs_its_lease_and_its_triggers_move(
     peer_id = await consumer_id(db, peer)
 
     culprit = f"by trigger tests.triggers.Spins (id {spin})"
-    await wait_until(lambda: asyncio.sleep(0, culprit in Processes.log(spinner)), 15,
+    await wait_until(lambda: asyncio.sleep(0, culprit in procs.log(spinner)), 15,
                      message="Spins named in the log")
     # The blocked loop cannot renew: the lease runs out and health fails for that pid.
     await wait_until(lambda: db.fetchval(
@@ -370,7 +366,7 @@ async def test_spinning_trigger_is_named_costs_its_lease_and_its_triggers_move(
     await wait_until(lambda: asyncio.sleep(0, all(
         (tmp_path / f"started-{w}").exists() for w in waits)), 10, message="restarted on peer")
     assert (await cli(settings, "health", "--pid", str(peer.pid))).returncode == 0
-    lines = [line for line in Processes.log(spinner).splitlines() if culprit in line]
+    lines = [line for line in procs.log(spinner).splitlines() if culprit in line]
     assert len(lines) >= 3  # reported again as the block keeps doubling (0.2, 0.4, 0.8 s...)
 
 
@@ -621,8 +617,8 @@ async def test_passwords_never_printed(
                 await cli(settings, "health", database_url=bad_db),
                 await cli(settings, "trigger", "show", "1", database_url=bad_db)]
     assert all(o.returncode != 0 for o in outputs[-3:])
-    await wait_until(lambda: asyncio.sleep(0, "ACCESS_REFUSED" in Processes.log(refused)), 15)
-    texts = [o.stdout + o.stderr for o in outputs] + [Processes.log(p) for p in procs.procs]
+    await wait_until(lambda: asyncio.sleep(0, "ACCESS_REFUSED" in procs.log(refused)), 15)
+    texts = [o.stdout + o.stderr for o in outputs] + [procs.log(p) for p in procs.procs]
     for text in texts:
         for secret in ("guest:guest", "hunter2secret", "pgsecretword"):
             assert secret not in text, text

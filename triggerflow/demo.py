@@ -9,10 +9,7 @@ finishes them, shows live progress and ends with a table per team and outcome.
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
-import subprocess
-import sys
 import tempfile
 import time
 import uuid
@@ -30,6 +27,7 @@ from triggerflow.model import TaskKey
 from triggerflow.sdk import TriggerflowClient
 from triggerflow.settings import Settings
 from triggerflow.store.postgres import Database, ensure_database, upgrade_schema
+from triggerflow.supervise import Supervisor, child_env
 from triggerflow.triggers import FileTrigger
 from triggerflow.wiring import make_transport
 
@@ -64,19 +62,6 @@ def _operators(tasks: int, workdir: Path, team: str) -> dict[str, BaseOperator]:
     return ops
 
 
-def _start(args: list[str], settings: Settings, logdir: Path) -> subprocess.Popen[bytes]:
-    env = dict(os.environ)
-    env.update({
-        "TRIGGERFLOW_DATABASE_URL": settings.database_dsn(),
-        "TRIGGERFLOW_AMQP_URL": settings.amqp_url.get_secret_value(),
-        "TRIGGERFLOW_NAMESPACE": settings.namespace,
-        "TRIGGERFLOW_ALLOWED_MODULES": "triggerflow.triggers,triggerflow.examples",
-    })
-    log = open(logdir / f"{args[0]}-{args[-1]}.log", "wb")  # noqa: SIM115 - owned by the child
-    return subprocess.Popen([sys.executable, "-m", "triggerflow", *args], env=env,
-                            stdout=log, stderr=subprocess.STDOUT)
-
-
 def run_demo(settings: Settings, tasks: int, keep_running: bool) -> int:
     return asyncio.run(_demo(settings, tasks, keep_running))
 
@@ -102,8 +87,11 @@ async def _demo(settings: Settings, tasks: int, keep_running: bool) -> int:
     logdir = Path(tempfile.mkdtemp(prefix="triggerflow-demo-"))
     console.print(f"[bold]2/4[/] starting a writer and consumers for {', '.join(TEAMS)} "
                   f"(logs in {logdir})")
-    children = [_start(["writer"], settings, logdir)]
-    children += [_start(["consume", "--queue", team], settings, logdir) for team in TEAMS]
+    supervisor = Supervisor(logdir)
+    env = child_env(settings.model_copy(update={"queues": []}))
+    supervisor.start("writer", env=env)
+    for team in TEAMS:
+        supervisor.start("consume", "--queue", team, env=env, name=f"consume-{team}")
     run_id = f"demo-{uuid.uuid4().hex[:8]}"
     workdir = Path(tempfile.mkdtemp(prefix="triggerflow-demo-files-"))
     operators: dict[tuple[str, str], BaseOperator] = {}
@@ -134,13 +122,7 @@ async def _demo(settings: Settings, tasks: int, keep_running: bool) -> int:
         await resumer
         await client.close()
         await db.close()
-        for child in children:
-            child.send_signal(signal.SIGTERM)
-        for child in children:
-            try:
-                child.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                child.kill()
+        supervisor.stop_all(sig=signal.SIGTERM, grace=15)
 
 
 async def _wait_for_signal() -> None:

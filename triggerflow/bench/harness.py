@@ -5,10 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import signal
-import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -28,6 +25,7 @@ from triggerflow.bench.common import (
     _with_user,
     machine_busy,
 )
+from triggerflow.supervise import Supervisor, child_env
 from triggerflow.triggers.base import BaseTrigger
 
 if TYPE_CHECKING:
@@ -57,8 +55,8 @@ class Bench:
     broker: RabbitTransport | None = None
     client: TriggerflowClient | None = None
     dbid: int = 0
+    supervisor: Supervisor | None = None
     broker_losses: int = 0  # times the bench's broker connection dropped (broker restarted)
-    _n: int = 0
     _watch: asyncio.Task[None] | None = None
 
     # -- set-up ---------------------------------------------------------------------------
@@ -261,20 +259,16 @@ class Bench:
     # -- processes ------------------------------------------------------------------------
 
     def env(self, role: str, **overrides: Any) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("TRIGGERFLOW_")}
-        env.update(self.role_settings(role).as_env(**overrides))
+        env = child_env(self.role_settings(role), **overrides)
         env.pop("TRIGGERFLOW_QUEUES", None)  # each process gets its queues as flags
-        env["PYTHONUNBUFFERED"] = "1"
         return env
 
     def start(self, kind: str, *args: str) -> Proc:
-        self._n += 1
         role = "writer" if kind == "writer" else "consumer"
-        path = self.out / f"{self._n:03d}-{kind}.log"
-        with open(path, "wb") as log:
-            popen = subprocess.Popen([sys.executable, "-m", "triggerflow", kind, *args],
-                                     env=self.env(role), stdout=log, stderr=subprocess.STDOUT)
-        proc = Proc(kind, popen, path, role)
+        if self.supervisor is None:
+            self.supervisor = Supervisor(self.out)
+        popen = self.supervisor.start(kind, *args, env=self.env(role))
+        proc = Proc(kind, popen, self.supervisor.log_path(popen), role)
         self.procs.append(proc)
         return proc
 
@@ -317,13 +311,8 @@ class Bench:
         return int(await self.db().fetchval("SELECT id FROM consumer WHERE pid = $1", proc.pid))
 
     async def stop(self, proc: Proc, sig: int = signal.SIGTERM, grace: float = 20) -> None:
-        if proc.alive():
-            proc.popen.send_signal(sig)
-            try:
-                await asyncio.wait_for(asyncio.to_thread(proc.popen.wait), grace)
-            except TimeoutError:
-                proc.popen.kill()
-                await asyncio.to_thread(proc.popen.wait)
+        if self.supervisor is not None:
+            await self.supervisor.stop_async(proc.popen, sig, grace)
         if proc in self.procs:
             self.procs.remove(proc)
 

@@ -19,6 +19,7 @@ from typing import Any
 from triggerflow.consumer.lease import Lease, LeaseLost
 from triggerflow.consumer.observe import ConsumerObserver
 from triggerflow.consumer.outcomes import Outcomes
+from triggerflow.consumer.probation import Probation
 from triggerflow.consumer.rebalance import excess
 from triggerflow.emitter import EventSink
 from triggerflow.loader import BadKwargs, Disallowed, TriggerLoader, Unloadable
@@ -70,13 +71,13 @@ class Consumer:
         self.metrics = get_metrics()
         self._wakeups: asyncio.Queue[Wakeup] = asyncio.Queue()
         self._pending_ids = 0
-        self._suspects = asyncio.Event()
-        self._probation: list[int] = []
         self._reap_now = asyncio.Event()
         self._claim_lock = asyncio.Lock()
         self._background: set[asyncio.Task[Any]] = set()  # strong refs until done
         self._tasks: list[asyncio.Task[Any]] = []
         self._stopping = False
+        self.probation = Probation(self.store, self.lease, self.queues, self._claim_lock,
+                                   self._start, settings.probation_seconds)
         self.observer = ConsumerObserver(self)
 
     @property
@@ -103,7 +104,7 @@ class Consumer:
             ("renewals", self._renew_loop()),
             ("reaper", self._reaper_loop()),
             ("cancel-sweep", self._sweep_loop()),
-            ("probation", self._probation_loop()),
+            ("probation", self.probation.run()),
         ):
             self._tasks.append(loop.create_task(coro, name=name))
         stopper = loop.create_task(stop.wait(), name="stop")
@@ -245,7 +246,7 @@ class Consumer:
             await self.transport.publish_wakeups(overflow)
         await self._ack_all(batch)
         if found.suspects:
-            self._suspects.set()
+            self.probation.suspects.set()
         if found.refused:  # we cannot load these: back to the queue for a consumer that can
             self._spawn(self._pass_on(found.refused))
         self.metrics.claimed.add(len(found.claimed))
@@ -363,7 +364,7 @@ class Consumer:
         dropped = self.sink.drop()
         log.error("lease lost (%s): stopped %d triggers, dropped %d events; re-registering",
                   why, len(stopped), dropped, extra={"consumer_id": self.me})
-        self._probation = []
+        self.probation.group = []
         old = self.me
         await self.lease.register()
         await self.subscriptions.set_control(self.me, self._on_control)  # named after our id
@@ -421,26 +422,3 @@ class Consumer:
                 continue
             if ids:
                 await self.cancel(ids, cause="sweep")
-
-    async def _probation_loop(self) -> None:
-        """Run suspects (triggers whose consumer died) in halving groups, one group at a time."""
-        while True:
-            await self._suspects.wait()
-            try:
-                async with self._claim_lock:
-                    if self._stopping:
-                        return
-                    specs = await self.store.claim_probation(self.me, self.queues)
-            except StoreError:
-                await asyncio.sleep(1)
-                continue
-            if not specs:
-                self._suspects.clear()
-                continue
-            self._probation = [s.id for s in specs]
-            log.warning("running %d suspect trigger(s) on probation", len(specs))
-            for spec in specs:
-                self._start(spec)
-            await asyncio.sleep(self.settings.probation_seconds)
-            await self.store.clear_probation(self.me, self._probation)
-            self._probation = []

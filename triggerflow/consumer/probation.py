@@ -1,0 +1,52 @@
+"""Probation: suspects (triggers whose consumer died twice or more) run in halving groups.
+
+The store records each group on our row; if we die while it runs, only that group is blamed
+and climbs a level, and a killer among N suspects is alone (then quarantined) after about
+log2(N) deaths. A group that survives ``seconds`` is cleared.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Sequence
+
+from triggerflow.consumer.lease import Lease
+from triggerflow.store import Store, StoreError, TriggerSpec
+
+log = logging.getLogger(__name__)
+
+
+class Probation:
+    """Runs suspect groups one at a time, after ``suspects`` is set by a claim."""
+
+    def __init__(self, store: Store, lease: Lease, queues: Sequence[str], claim_lock: asyncio.Lock,
+                 start: Callable[[TriggerSpec], None], seconds: float) -> None:
+        self.store = store
+        self.lease = lease
+        self.queues = list(queues)
+        self.claim_lock = claim_lock
+        self.start = start
+        self.seconds = seconds
+        self.suspects = asyncio.Event()
+        self.group: list[int] = []
+
+    async def run(self) -> None:
+        while True:
+            await self.suspects.wait()
+            try:
+                async with self.claim_lock:  # held at shutdown: no group starts then
+                    specs = await self.store.claim_probation(self.lease.me, self.queues)
+            except StoreError:
+                await asyncio.sleep(1)
+                continue
+            if not specs:
+                self.suspects.clear()
+                continue
+            self.group = [s.id for s in specs]
+            log.warning("running %d suspect trigger(s) on probation", len(specs))
+            for spec in specs:
+                self.start(spec)
+            await asyncio.sleep(self.seconds)
+            await self.store.clear_probation(self.lease.me, self.group)
+            self.group = []
