@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential_jitter
 
+from triggerflow import telemetry
 from triggerflow.codec import KwargsCodec
 from triggerflow.model import TaskKey, is_allowed
 from triggerflow.settings import Settings
@@ -173,7 +174,7 @@ class TriggerflowClient:
         if not deferrals:
             return []
         with tracer.start_as_current_span(
-            "triggerflow.defer", attributes={"triggerflow.count": len(deferrals)}
+            telemetry.SPAN_DEFER, attributes={telemetry.ATTR_COUNT: len(deferrals)}
         ):
             traceparent = current_traceparent()
             rows = self._validate(deferrals, traceparent)

@@ -40,6 +40,17 @@ QUEUE_DEPTH = "triggerflow.queue.depth"
 QUEUE_CONSUMERS = "triggerflow.queue.consumers"
 QUEUE_SUBSCRIBERS = "triggerflow.queue.subscribers"
 
+# Spans (defer -> fire -> write share one trace) and their attributes.
+SPAN_DEFER = "triggerflow.defer"
+SPAN_FIRE = "triggerflow.fire"
+SPAN_WRITE = "triggerflow.write"
+ATTR_COUNT = "triggerflow.count"
+ATTR_TRIGGER_ID = "triggerflow.trigger_id"
+ATTR_QUEUE = "triggerflow.queue"
+ATTR_EVENT = "triggerflow.event"
+ATTR_ATTEMPT = "triggerflow.attempt"
+ATTR_BATCH_SIZE = "triggerflow.batch_size"
+
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_exponential_jitter
 
+from triggerflow import telemetry
 from triggerflow.consumer.lease import Lease
 from triggerflow.model import EventKind, FailureReason
 from triggerflow.reaper import Reaper
@@ -233,9 +234,9 @@ class Writer:
             for ev in events:
                 if ev.traceparent:
                     with tracer.start_as_current_span(
-                        "triggerflow.write", context=context_from(ev.traceparent),
-                        attributes={"triggerflow.trigger_id": ev.trigger_id,
-                                    "triggerflow.batch_size": len(events)},
+                        telemetry.SPAN_WRITE, context=context_from(ev.traceparent),
+                        attributes={telemetry.ATTR_TRIGGER_ID: ev.trigger_id,
+                                    telemetry.ATTR_BATCH_SIZE: len(events)},
                     ):
                         pass
 

@@ -6,6 +6,7 @@ import logging
 from collections import defaultdict
 from typing import TYPE_CHECKING, Any
 
+from triggerflow import telemetry
 from triggerflow.telemetry import get_metrics
 from triggerflow.triggers.base import BaseTrigger
 from triggerflow.watchdog import LoopWatchdog
@@ -52,6 +53,6 @@ class ConsumerObserver:
                 counts[held.queue] += 1
             return [(float(counts.get(q, 0)), {"queue": q}) for q in c.queues]
 
-        self.metrics.gauge("triggerflow.triggers.running", "Triggers running, per queue", running)
-        self.metrics.gauge("triggerflow.capacity_left", "Triggers this consumer can still take",
+        self.metrics.gauge(telemetry.RUNNING, "Triggers running, per queue", running)
+        self.metrics.gauge(telemetry.CAPACITY_LEFT, "Triggers this consumer can still take",
                            lambda: [(float(c.settings.capacity - len(c.runner)), {})])

@@ -7,6 +7,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from triggerflow import telemetry
 from triggerflow.consumer.lease import Lease
 from triggerflow.emitter import EventSink
 from triggerflow.model import EventKind, FailureReason
@@ -65,8 +66,8 @@ class Outcomes:
     def _fire_span(held: Held, kind: EventKind) -> str | None:
         """A span for the run, parented on the defer span; only its id outlives this call."""
         with tracer.start_as_current_span(
-            "triggerflow.fire", context=context_from(held.traceparent),
-            attributes={"triggerflow.trigger_id": held.id, "triggerflow.queue": held.queue,
-                        "triggerflow.event": str(kind), "triggerflow.attempt": held.attempt},
+            telemetry.SPAN_FIRE, context=context_from(held.traceparent),
+            attributes={telemetry.ATTR_TRIGGER_ID: held.id, telemetry.ATTR_QUEUE: held.queue,
+                        telemetry.ATTR_EVENT: str(kind), telemetry.ATTR_ATTEMPT: held.attempt},
         ):
             return current_traceparent()

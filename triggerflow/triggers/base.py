@@ -15,7 +15,12 @@ from triggerflow.model import EventKind
 
 
 class TriggerEvent:
-    """Resumes the task: ``next_kwargs["event"] = payload``, state ``scheduled``."""
+    """Resumes the task: ``next_kwargs["event"] = payload``, state ``scheduled``.
+
+    ``payload`` must be JSON-serializable and at most ``max_event_bytes`` once encoded;
+    otherwise the consumer does not raise into the trigger but sends a ``__fail__`` resume
+    naming the trigger class instead (the task's failure handling runs).
+    """
 
     kind: ClassVar[EventKind] = EventKind.RESUME
 
@@ -34,7 +39,13 @@ class TriggerEvent:
 
 
 class BaseTaskEndEvent(TriggerEvent):
-    """Ends the task without a worker; ``xcoms`` is stored as the task's result."""
+    """Ends the task without a worker; ``xcoms`` is stored as the task's result.
+
+    Use a subclass: :class:`TaskSuccessEvent`, :class:`TaskFailedEvent` or
+    :class:`TaskSkippedEvent` set the task's final state. ``xcoms`` follows the payload
+    rules of :class:`TriggerEvent` (JSON, size-bounded; a bad one becomes a ``__fail__``
+    resume instead of a final state). Takes keyword arguments only (``TypeError`` otherwise).
+    """
 
     def __init__(self, *, xcoms: dict[str, Any] | None = None) -> None:
         super().__init__(xcoms)
@@ -42,14 +53,20 @@ class BaseTaskEndEvent(TriggerEvent):
 
 
 class TaskSuccessEvent(BaseTaskEndEvent):
+    """The task ends ``success`` with ``xcoms`` as its result; no worker runs it again."""
+
     kind = EventKind.SUCCESS
 
 
 class TaskFailedEvent(BaseTaskEndEvent):
+    """The task ends ``failed`` (no retry, no ``__fail__`` method call) with ``xcoms``."""
+
     kind = EventKind.FAILED
 
 
 class TaskSkippedEvent(BaseTaskEndEvent):
+    """The task ends ``skipped`` with ``xcoms`` as its result."""
+
     kind = EventKind.SKIPPED
 
 
@@ -60,6 +77,17 @@ class BaseTrigger(abc.ABC):
     trigger ends, is cancelled, times out or is handed to another consumer. The consumer sets
     ``trigger_id`` and ``task_key`` before ``run()`` so log lines and the blocked-loop
     watchdog can name the trigger.
+
+    What the consumer does with failures (nothing is raised to the deferring code):
+    an exception from ``run()``, a ``run()`` that ends without an event, or the deferral's
+    timeout resumes the task with ``next_method="__fail__"`` and the error (and traceback),
+    as Airflow does. A class outside ``allowed_modules`` or kwargs that ``cls(**kwargs)``
+    rejects fail the task the same way; a class this consumer cannot import is handed to
+    another consumer of the queue, and fails the task only when none can load it. A
+    ``run()`` that blocks the event loop is named in a log line and a metric. Exceptions from
+    ``cleanup()`` are logged and otherwise ignored. The SDK raises ``DeferralError`` at defer
+    time when ``serialize()`` names a class outside ``allowed_modules`` or kwargs that are not
+    JSON or too big.
     """
 
     trigger_id: int | None = None
@@ -98,6 +126,11 @@ class TimerTrigger(BaseTrigger):
     The consumer keeps such triggers on one timer heap instead of a coroutine each (a few
     hundred bytes per waiting trigger instead of a few KB), and never calls ``run()``; the
     event it emits is ``TriggerEvent(timer_payload(deadline))``.
+
+    Overriding ``cleanup()`` takes a subclass off the heap: it then runs as a coroutine
+    trigger (``run()`` is called, ``cleanup()`` after it), so it must implement a ``run()``
+    that waits for ``deadline()`` itself. On the heap, ``deadline()`` is called once, when
+    the consumer starts the trigger.
     """
 
     @abc.abstractmethod
