@@ -54,3 +54,16 @@ def register(main: click.Group) -> None:
         else:
             with open(output, "w") as fh:
                 fh.write(text)
+
+    @docs.command("modules")
+    @click.option("--page", type=click.Path(dir_okay=False, exists=True),
+                  default="docs/architecture.md", show_default=True,
+                  help="Page whose module map is rewritten in place.")
+    def docs_modules(page: str) -> None:
+        """Rewrite the module map of the architecture page from the package tree."""
+        from pathlib import Path
+
+        from triggerflow.docgen import with_module_map
+
+        path = Path(page)
+        path.write_text(with_module_map(path.read_text()))

@@ -1,0 +1,1 @@
+"""Alembic environment and revisions of the native schema (``triggerflow db upgrade``)."""
