@@ -26,6 +26,7 @@ demo: venv services
 lint: venv
 	$(BIN)/ruff check
 	$(BIN)/mypy triggerflow
+	$(BIN)/lint-imports
 
 bench: venv services
 	$(BIN)/triggerflow bench

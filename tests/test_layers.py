@@ -60,3 +60,11 @@ def test_no_import_cycles_between_modules() -> None:
     # A package's __init__ re-exporting its children is not a cycle worth naming.
     modules = {m for m in graph.modules if not graph.find_children(m)}
     assert _cycles(graph, modules) == []
+
+
+def test_trigger_api_imports_no_network_client() -> None:
+    import subprocess
+
+    code = ("import sys, triggerflow.triggers as t; assert 'httpx' not in sys.modules; "
+            "t.HttpTrigger; assert 'httpx' in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=60)
