@@ -48,8 +48,12 @@ async def running(*parts: Consumer | Writer) -> AsyncIterator[None]:
         yield
     finally:
         stop.set()
-        codes = await asyncio.wait_for(asyncio.gather(*tasks), 15)
-        assert codes == [0] * len(parts)
+        done, pending = await asyncio.wait(tasks, timeout=15)
+        if pending:  # name what hangs before failing
+            for t in asyncio.all_tasks():
+                t.print_stack(limit=3)
+        assert not pending, "a loop did not stop within 15 s"
+        assert [t.result() for t in tasks] == [0] * len(parts)
 
 
 def key(i: int) -> TaskKey:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 from collections import defaultdict
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +49,8 @@ def _default(value: Any) -> str:
         return f"`{url.with_password('***') if url.password is not None else url}`"
     if value is None:
         return "(none)"
+    if isinstance(value, timedelta):  # given in seconds, as flags and variables take it
+        value = value.total_seconds()
     if isinstance(value, list | dict):
         import json
 

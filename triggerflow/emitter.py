@@ -29,7 +29,7 @@ class EventSink:
     def __init__(self, transport: Transport, settings: Settings) -> None:
         self.transport = transport
         self.batch = settings.event_batch
-        self.linger = settings.event_linger
+        self.linger = settings.event_linger.total_seconds()
         self._buffer: list[Event] = []
         self._flush_handle: asyncio.TimerHandle | None = None
         self._inflight: set[asyncio.Task[None]] = set()

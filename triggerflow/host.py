@@ -95,7 +95,8 @@ class Host:
             n = await self.resume_once()
             if n == 0:
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), timeout=interval)
+                    async with asyncio.timeout(interval):
+                        await stop.wait()
 
     async def resume_once(self, limit: int = 1000) -> int:
         rows = await self.db.fetch(PICK_SCHEDULED, limit)

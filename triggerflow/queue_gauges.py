@@ -36,7 +36,7 @@ class QueueGauges:
         from triggerflow import telemetry
 
         self.settings = settings
-        self.interval = interval or min(5.0, settings.reaper_interval)
+        self.interval = interval or min(5.0, settings.reaper_interval.total_seconds())
         self.topology = Topology(settings.namespace)
         self.redact = Redactor(settings)
         self.snapshot: dict[str, tuple[int | None, int | None, int | None]] = {}

@@ -78,14 +78,15 @@ class Reaper:
 
     async def resend_unclaimed(self) -> int:
         refs = await self.store.resend_unclaimed(
-            self.queues, self.settings.unclaimed_grace, self.settings.reclaim_rate)
+            self.queues, self.settings.unclaimed_grace.total_seconds(), self.settings.reclaim_rate)
         if refs:
             log.info("re-sending %d triggers nobody claimed", len(refs))
             await self._resend(refs, "unclaimed")
         return len(refs)
 
     async def time_out_orphans(self) -> int:
-        ids = await self.store.time_out_orphans(self.queues, self.settings.max_deferral)
+        ids = await self.store.time_out_orphans(
+            self.queues, self.settings.max_deferral.total_seconds())
         if ids:
             get_metrics().timed_out.add(len(ids))
             log.warning("timed out %d deferred tasks whose trigger ran nowhere", len(ids))
@@ -95,7 +96,7 @@ class Reaper:
         """Queues in scope with no live consumer: the "nobody consumes default" trap."""
         queues = self.queues
         if queues is None:
-            queues = await self.store.waiting_queues(self.settings.unclaimed_grace)
+            queues = await self.store.waiting_queues(self.settings.unclaimed_grace.total_seconds())
             if not queues:
                 self.unconsumed = []
                 return []

@@ -252,8 +252,9 @@ class TriggerflowClient:
                 )
             if "\\u0000" in next_kwargs:
                 raise DeferralError("next kwargs contain a NUL character")
+            longest = s.max_deferral.total_seconds()
             timeout = d.timeout.total_seconds() if isinstance(d.timeout, timedelta) else d.timeout
-            timeout = s.max_deferral if timeout is None else min(float(timeout), s.max_deferral)
+            timeout = longest if timeout is None else min(float(timeout), longest)
             rows.append(NewDeferral(
                 d.task.dag_id, d.task.task_id, d.task.run_id, d.task.map_index, classpath,
                 stored, d.queue, d.method_name, next_kwargs, timeout, traceparent))

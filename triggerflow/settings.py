@@ -3,11 +3,32 @@
 from __future__ import annotations
 
 import json
+from datetime import timedelta
 from typing import Annotated, Any
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import BeforeValidator, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from yarl import URL
+
+
+def _seconds(value: object) -> object:
+    """A number, or a string holding one, is seconds; anything else pydantic parses as a
+    duration (``PT5M``, ``0:05:00``)."""
+    if isinstance(value, str):
+        try:
+            return timedelta(seconds=float(value))
+        except ValueError:
+            return value
+    return value
+
+
+# A duration: seconds as a number (flags, env vars, keyword arguments), or a timedelta.
+Duration = Annotated[timedelta, BeforeValidator(_seconds)]
+ZERO = timedelta(0)
+
+
+def seconds(n: float) -> timedelta:
+    return timedelta(seconds=n)
 
 
 class Settings(BaseSettings):
@@ -39,30 +60,32 @@ class Settings(BaseSettings):
         default_factory=lambda: ["triggerflow.triggers"],
         description="Module prefixes trigger classes may come from (checked before import).",
     )
-    lease_ttl: float = Field(3.0, gt=0, description="Seconds a consumer's lease lives unrenewed.")
-    renew_interval: float = Field(1.0, gt=0, description="Seconds between lease renewals.")
+    lease_ttl: Duration = Field(
+        seconds(3.0), gt=ZERO, description="Seconds a consumer's lease lives unrenewed."
+    )
+    renew_interval: Duration = Field(seconds(1.0), gt=ZERO, description="Seconds between lease renewals.")
     claim_batch: int = Field(2000, ge=1, description="Max trigger ids claimed per statement.")
     prefetch: int = Field(64, ge=1, description="Unacked wake-up messages per consumer.")
     reclaim_rate: int = Field(
         20_000, ge=1, description="Max triggers a reaper re-sends per second (reclaim storms)."
     )
-    probation_seconds: float = Field(
-        1.0, gt=0, description="How long a suspect group must run before it is cleared."
+    probation_seconds: Duration = Field(
+        seconds(1.0), gt=ZERO, description="How long a suspect group must run before it is cleared."
     )
     max_failures: int = Field(
         30, ge=2, description="Ungraceful losses after which a trigger is quarantined."
     )
-    blocked_threshold: float = Field(
-        0.2, gt=0, description="Seconds the loop may stay busy before the culprit is named."
+    blocked_threshold: Duration = Field(
+        seconds(0.2), gt=ZERO, description="Seconds the loop may stay busy before the culprit is named."
     )
-    subscription_check_interval: float = Field(
-        3.0, gt=0, description="Seconds between checks that the broker still delivers to us."
+    subscription_check_interval: Duration = Field(
+        seconds(3.0), gt=ZERO, description="Seconds between checks that the broker still delivers to us."
     )
 
     # -- events -------------------------------------------------------------------------
     event_batch: int = Field(500, ge=1, description="Max events per published message.")
-    event_linger: float = Field(
-        0.004, ge=0, description="Seconds a fired event waits for others to share its message."
+    event_linger: Duration = Field(
+        seconds(0.004), ge=ZERO, description="Seconds a fired event waits for others to share its message."
     )
     max_event_bytes: int = Field(65_536, ge=256, description="Largest event payload accepted.")
     max_kwargs_bytes: int = Field(65_536, ge=256, description="Largest trigger kwargs accepted.")
@@ -78,15 +101,15 @@ class Settings(BaseSettings):
     )
 
     # -- reaper -------------------------------------------------------------------------
-    reaper_interval: float = Field(10.0, gt=0, description="Seconds between reaper sweeps.")
-    cancel_sweep_interval: float = Field(
-        5.0, gt=0, description="Seconds between sweeps for held triggers whose task moved on."
+    reaper_interval: Duration = Field(seconds(10.0), gt=ZERO, description="Seconds between reaper sweeps.")
+    cancel_sweep_interval: Duration = Field(
+        seconds(5.0), gt=ZERO, description="Seconds between sweeps for held triggers whose task moved on."
     )
-    unclaimed_grace: float = Field(
-        15.0, gt=0, description="Seconds an unclaimed trigger waits before it is re-sent."
+    unclaimed_grace: Duration = Field(
+        seconds(15.0), gt=ZERO, description="Seconds an unclaimed trigger waits before it is re-sent."
     )
-    max_deferral: float = Field(
-        7 * 86400.0, gt=0, description="Longest any task may stay deferred (seconds)."
+    max_deferral: Duration = Field(
+        seconds(7 * 86400.0), gt=ZERO, description="Longest any task may stay deferred (seconds)."
     )
 
     # -- security -----------------------------------------------------------------------
@@ -140,6 +163,8 @@ class Settings(BaseSettings):
                 continue
             if isinstance(value, SecretStr):
                 value = value.get_secret_value()
+            if isinstance(value, timedelta):
+                value = value.total_seconds()
             if isinstance(value, list | dict):
                 value = json.dumps(value)
             env[self.env_name(key)] = str(value)

@@ -59,11 +59,11 @@ class Writer:
         self.store = store
         self.transport = transport
         self.reaper = Reaper(store, transport, settings.model_copy(update={"queues": []}))
-        self.lease = Lease(store, ProcessKind.WRITER, ttl=max(settings.lease_ttl, 10.0),
-                           renew_interval=max(settings.renew_interval, 1.0))
+        self.lease = Lease(store, ProcessKind.WRITER, ttl=max(settings.lease_ttl.total_seconds(), 10.0),
+                           renew_interval=max(settings.renew_interval.total_seconds(), 1.0))
         self.subscriptions = Subscriptions(
             transport, prefetch=settings.writer_prefetch,
-            check_interval=settings.subscription_check_interval, renew=False)
+            check_interval=settings.subscription_check_interval.total_seconds(), renew=False)
         self.metrics = get_metrics()
         self._inbox: asyncio.Queue[Delivery] = asyncio.Queue()
         self._busy = False
@@ -121,7 +121,7 @@ class Writer:
                 if renewed is None:
                     await self.lease.register()
                 if loop.time() >= next_reap and self.transport.is_open:
-                    next_reap = loop.time() + self.settings.reaper_interval
+                    next_reap = loop.time() + self.settings.reaper_interval.total_seconds()
                     # Dead consumers are reaped by their live peers, which claim the freed
                     # triggers themselves; a re-send from here could land in a stalled
                     # consumer's prefetch. The writer keeps the all-queue sweeps.

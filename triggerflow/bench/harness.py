@@ -239,7 +239,7 @@ class Bench:
         """No processes, no rows, empty queues: the start of every measurement."""
         await self.stop_all()
         await self.purge()
-        await self.db().execute("TRUNCATE task_instance, trigger, consumer")
+        await self.truncate("task_instance", "trigger", "consumer")
 
     async def purge(self) -> None:
         assert self.broker is not None and self.broker.connection is not None
@@ -255,6 +255,25 @@ class Bench:
     def db(self) -> asyncpg.Pool:
         assert self.mon is not None
         return self.mon
+
+    async def truncate(self, *tables: str) -> None:
+        """Empty ``tables`` while consumers and writers may be sweeping them: a TRUNCATE that
+        meets a sweep locking the tables in the other order loses a deadlock; run it again."""
+        import asyncpg
+        from tenacity import (
+            AsyncRetrying,
+            retry_if_exception_type,
+            stop_after_attempt,
+            wait_random_exponential,
+        )
+
+        async for attempt in AsyncRetrying(
+            retry=retry_if_exception_type(asyncpg.DeadlockDetectedError),
+            stop=stop_after_attempt(5), wait=wait_random_exponential(multiplier=0.05, max=1),
+            reraise=True,
+        ):
+            with attempt:
+                await self.db().execute(f"TRUNCATE {', '.join(tables)}")
 
     # -- processes ------------------------------------------------------------------------
 

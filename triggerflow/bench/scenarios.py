@@ -42,7 +42,7 @@ async def scenario_capacity(b: Bench) -> dict[str, Any]:
             base_rss = _proc_rss(empty.pid)
             base_cpu = (await cpu_percent([empty.pid], b.sizes.cpu_window))[0]
             await b.stop(empty)
-            await b.db().execute("TRUNCATE consumer")
+            await b.truncate("consumer")
         # Backlog first, then the consumer: the time below is claim+start, not defer speed.
         b.log(f"capacity: {kind} N={n:,}: deferring (no consumer running)")
         run = _run_id("cap")
@@ -101,7 +101,7 @@ def table_capacity(res: dict[str, Any]) -> Table:
 
 
 async def _burst_once(b: Bench, n: int) -> dict[str, Any]:
-    await b.db().execute("TRUNCATE task_instance, trigger")
+    await b.truncate("task_instance", "trigger")
     busy = await b.quiet()
     lead = b.sizes.lead + n / 2500
     instant = datetime.now(UTC) + timedelta(seconds=lead)
@@ -169,7 +169,7 @@ def table_burst(res: dict[str, Any], repeats: int) -> Table:
 
 
 async def _steady_once(b: Bench, rate: int, seconds: float) -> dict[str, Any]:
-    await b.db().execute("TRUNCATE task_instance, trigger")
+    await b.truncate("task_instance", "trigger")
     busy = await b.quiet()
     total = int(rate * seconds)
     lead = b.sizes.lead + 0.5 + total / 3000

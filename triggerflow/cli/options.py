@@ -13,6 +13,7 @@ import signal
 import sys
 import typing
 from collections.abc import Callable, Coroutine
+from datetime import timedelta
 from typing import Any, TypeVar
 
 import click
@@ -35,7 +36,8 @@ WRITER = ("writer_batch", "writer_prefetch", "team_users", "lease_ttl", "renew_i
           "subscription_check_interval")
 SDK = ("allowed_modules", "max_kwargs_bytes", "max_deferral", "kwargs_key")
 
-_CLICK_TYPES: dict[Any, Any] = {int: int, float: float}
+# Durations are given in seconds on the command line, as in the environment.
+_CLICK_TYPES: dict[Any, Any] = {int: int, float: float, timedelta: float}
 
 
 def _option(name: str) -> Callable[[F], F]:

@@ -57,15 +57,15 @@ class Consumer:
         self.queues = list(settings.queues)
         self.loader = TriggerLoader(settings.allowed_modules)
         self.lease = Lease(store, ProcessKind.CONSUMER, queues=self.queues,
-                           capacity=settings.capacity, ttl=settings.lease_ttl,
-                           renew_interval=settings.renew_interval)
+                           capacity=settings.capacity, ttl=settings.lease_ttl.total_seconds(),
+                           renew_interval=settings.renew_interval.total_seconds())
         self.sink = EventSink(transport, settings)
         self.outcomes = Outcomes(self.sink, self.lease, settings, on_fired=self._on_fired)
         self.runner = TriggerRunner(self.outcomes.emit)
         self.reaper = Reaper(store, transport, settings, take_locally=self._take_locally)
         self.subscriptions = Subscriptions(
             transport, prefetch=settings.prefetch,
-            check_interval=settings.subscription_check_interval)
+            check_interval=settings.subscription_check_interval.total_seconds())
         for queue in self.queues:
             self.subscriptions.add(queue, self._on_delivery)
         self.metrics = get_metrics()
@@ -77,7 +77,7 @@ class Consumer:
         self._tasks: list[asyncio.Task[Any]] = []
         self._stopping = False
         self.probation = Probation(self.store, self.lease, self.queues, self._claim_lock,
-                                   self._start, settings.probation_seconds)
+                                   self._start, settings.probation_seconds.total_seconds())
         self.observer = ConsumerObserver(self)
 
     @property
@@ -343,7 +343,7 @@ class Consumer:
 
     async def _renew_loop(self) -> None:
         while True:
-            await asyncio.sleep(self.settings.renew_interval)
+            await asyncio.sleep(self.settings.renew_interval.total_seconds())
             try:
                 renewal = await self.lease.renew(len(self.runner))
             except LeaseLost as exc:
@@ -391,12 +391,13 @@ class Consumer:
     # -- periodic sweeps ---------------------------------------------------------------------
 
     async def _reaper_loop(self) -> None:
-        interval = self.settings.reaper_interval
+        interval = self.settings.reaper_interval.total_seconds()
         next_full = 0.0
         loop = asyncio.get_running_loop()
         while True:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._reap_now.wait(), timeout=interval)
+                async with asyncio.timeout(interval):
+                    await self._reap_now.wait()
             self._reap_now.clear()
             try:
                 await self.subscriptions.connected.wait()
@@ -413,7 +414,7 @@ class Consumer:
     async def _sweep_loop(self) -> None:
         """Backstop for cancellation: drop held triggers whose task is no longer deferred."""
         while True:
-            await asyncio.sleep(self.settings.cancel_sweep_interval)
+            await asyncio.sleep(self.settings.cancel_sweep_interval.total_seconds())
             if not self.runner.running:
                 continue
             try:

@@ -78,8 +78,10 @@ class Lease:
         if remaining <= 0:
             raise LeaseLost("renewal overdue (loop stalled or database unreachable)")
         try:
-            result = await asyncio.wait_for(
-                self.store.renew(self.me, self.ttl, running, self.queues), timeout=remaining)
+            # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancellation that
+            # arrives as the inner call completes, and the loop then never stops.
+            async with asyncio.timeout(remaining):
+                result = await self.store.renew(self.me, self.ttl, running, self.queues)
         except TimeoutError:
             raise LeaseLost("renewal timed out") from None
         if result is None:

@@ -23,7 +23,8 @@ class ConsumerObserver:
     def __init__(self, consumer: Consumer) -> None:
         self.consumer = consumer
         self.metrics = get_metrics()
-        self.watchdog = LoopWatchdog(consumer.settings.blocked_threshold, self._on_blocked,
+        self.watchdog = LoopWatchdog(consumer.settings.blocked_threshold.total_seconds(),
+                                     self._on_blocked,
                                      on_lag=lambda lag: self.metrics.loop_lag.record(lag))
         self._register_gauges()
 

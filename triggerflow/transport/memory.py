@@ -181,7 +181,8 @@ class MemoryTransport:
 
     async def wait_closed(self, timeout: float) -> bool:
         try:
-            await asyncio.wait_for(self._closed.wait(), timeout)
+            async with asyncio.timeout(timeout):
+                await self._closed.wait()
         except TimeoutError:
             return False
         return True

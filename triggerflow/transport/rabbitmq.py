@@ -177,7 +177,8 @@ class RabbitTransport:
 
     async def wait_closed(self, timeout: float) -> bool:
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.closed.wait(), timeout)
+            async with asyncio.timeout(timeout):  # not wait_for: see consumer.lease
+                await self.closed.wait()
         return self.closed.is_set()
 
     async def close(self) -> None:
