@@ -7,6 +7,8 @@ reaper, which has none, covers all).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 from collections import defaultdict
 from collections.abc import Callable
@@ -55,6 +57,30 @@ class Reaper:
             return
         for queue, ids in by_queue.items():
             get_metrics().resent.add(len(ids), {"cause": cause, "queue": queue})
+
+    async def run(self, connected: asyncio.Event, now: asyncio.Event) -> None:
+        """A consumer's sweeps: dead owners every ``reaper_interval`` or at once when ``now``
+        is set (a renewal saw a dead peer), the full sweep every interval; only while
+        ``connected`` (freed triggers are re-sent through the broker)."""
+        interval = self.settings.reaper_interval.total_seconds()
+        next_full = 0.0
+        loop = asyncio.get_running_loop()
+        while True:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(interval):
+                    await now.wait()
+            now.clear()
+            try:
+                await connected.wait()
+                await self.reap_dead()
+                if loop.time() >= next_full:
+                    next_full = loop.time() + interval
+                    await self.resend_unclaimed()
+                    await self.time_out_orphans()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("reaper sweep failed")
 
     async def reap_dead(self) -> int:
         """Free the triggers of consumers whose lease expired; quarantine proven killers."""

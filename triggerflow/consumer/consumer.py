@@ -102,7 +102,7 @@ class Consumer:
             ("broker", self.subscriptions.run(on_connected=self.sink.retry)),
             ("claims", self._claim_loop()),
             ("renewals", self._renew_loop()),
-            ("reaper", self._reaper_loop()),
+            ("reaper", self.reaper.run(self.subscriptions.connected, self._reap_now)),
             ("cancel-sweep", self._sweep_loop()),
             ("probation", self.probation.run()),
         ):
@@ -389,27 +389,6 @@ class Consumer:
         log.info("rebalanced: handed %d triggers to peers", len(refs))
 
     # -- periodic sweeps ---------------------------------------------------------------------
-
-    async def _reaper_loop(self) -> None:
-        interval = self.settings.reaper_interval.total_seconds()
-        next_full = 0.0
-        loop = asyncio.get_running_loop()
-        while True:
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(interval):
-                    await self._reap_now.wait()
-            self._reap_now.clear()
-            try:
-                await self.subscriptions.connected.wait()
-                await self.reaper.reap_dead()
-                if loop.time() >= next_full:
-                    next_full = loop.time() + interval
-                    await self.reaper.resend_unclaimed()
-                    await self.reaper.time_out_orphans()
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                log.exception("reaper sweep failed")
 
     async def _sweep_loop(self) -> None:
         """Backstop for cancellation: drop held triggers whose task is no longer deferred."""
