@@ -48,7 +48,7 @@ async def running(*parts: Consumer | Writer) -> AsyncIterator[None]:
         yield
     finally:
         stop.set()
-        done, pending = await asyncio.wait(tasks, timeout=15)
+        _, pending = await asyncio.wait(tasks, timeout=15)
         if pending:  # name what hangs before failing
             for t in asyncio.all_tasks():
                 t.print_stack(limit=3)

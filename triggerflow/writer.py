@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_exponential_jitter
 
 from triggerflow import telemetry
-from triggerflow.consumer.lease import Lease
+from triggerflow.lease import Lease
 from triggerflow.model import EventKind, FailureReason
 from triggerflow.reaper import Reaper
 from triggerflow.runner import failure

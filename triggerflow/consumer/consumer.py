@@ -16,12 +16,12 @@ from collections import defaultdict
 from collections.abc import Coroutine, Sequence
 from typing import Any
 
-from triggerflow.consumer.lease import Lease, LeaseLost
 from triggerflow.consumer.observe import ConsumerObserver
 from triggerflow.consumer.outcomes import Outcomes
 from triggerflow.consumer.probation import Probation
 from triggerflow.consumer.rebalance import excess
 from triggerflow.emitter import EventSink
+from triggerflow.lease import Lease, LeaseLost
 from triggerflow.loader import BadKwargs, Disallowed, TriggerLoader, Unloadable
 from triggerflow.model import EventKind, FailureReason
 from triggerflow.reaper import Reaper

@@ -8,8 +8,8 @@ from collections.abc import Callable
 from typing import Any
 
 from triggerflow import telemetry
-from triggerflow.consumer.lease import Lease
 from triggerflow.emitter import EventSink
+from triggerflow.lease import Lease
 from triggerflow.model import EventKind, FailureReason
 from triggerflow.runner import Held, failure
 from triggerflow.settings import Settings

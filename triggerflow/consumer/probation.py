@@ -11,7 +11,7 @@ import asyncio
 import logging
 from collections.abc import Callable, Sequence
 
-from triggerflow.consumer.lease import Lease
+from triggerflow.lease import Lease
 from triggerflow.store import Store, StoreError, TriggerSpec
 
 log = logging.getLogger(__name__)
