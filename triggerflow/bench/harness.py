@@ -153,13 +153,12 @@ class Bench:
             await self.broker.closed.wait()
             self.broker_losses += 1
             self.log("[yellow]the broker connection dropped (broker restarted?); reconnecting")
-            while True:
-                await asyncio.sleep(1)
-                try:
+            from tenacity import AsyncRetrying, wait_exponential_jitter
+
+            async for attempt in AsyncRetrying(  # until the broker is back
+                    wait=wait_exponential_jitter(multiplier=0.5, max=5, jitter=0.5)):
+                with attempt:
                     await self.broker.connect()
-                    break
-                except Exception:  # keep trying until the broker is back
-                    continue
 
     async def quiet(self, limit: float = 0.3, wait: float | None = None) -> float:
         """Wait (up to ``wait`` s) until the machine is mostly idle; returns its busy share.
