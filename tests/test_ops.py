@@ -97,9 +97,9 @@ async def writer_up(db: Database, proc: subprocess.Popen[bytes]) -> None:
 
 def queue_gauges_wired() -> bool:
     """The per-queue gauges run once cli.py starts them (see the ops report)."""
-    import triggerflow.cli.main
+    import triggerflow.cli.commands
 
-    return "start_queue_gauges" in inspect.getsource(triggerflow.cli.main)
+    return "start_queue_gauges" in inspect.getsource(triggerflow.cli.commands)
 
 
 def failure_reason_wired() -> bool:
