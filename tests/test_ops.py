@@ -335,7 +335,10 @@ async def test_spinning_trigger_is_named_costs_its_lease_and_its_triggers_move(
     spinner_id = await consumer_id(db, spinner)
     waits = await client.defer_many([
         Deferral(key(i), WaitsForever(marker_dir=str(tmp_path)), teams[0]) for i in range(3)])
-    spin = await client.defer(key(9), Spins(delay=2.0), queue=teams[0])
+    # Spins once: on the peer it moves to it waits, so the peer's health is not a race
+    # against its 2 s delay.
+    spin = await client.defer(key(9), Spins(delay=2.0, once=str(tmp_path / "spun")),
+                              queue=teams[0])
     await wait_until(lambda: db.fetchval(
         "SELECT count(*) = 4 FROM trigger WHERE owner_id = $1", spinner_id), 15,
         message="the first consumer holds all four")

@@ -81,10 +81,16 @@ class BlocksLoop(_Simple):
 
 
 class Spins(_Simple):
-    """Never yields control: ``while True: pass``."""
+    """Never yields control: ``while True: pass``. With ``once`` (a path) only the first run
+    spins; a run that finds the path waits quietly, so the consumer it moves to stays healthy."""
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         await asyncio.sleep(self.kwargs.get("delay", 0.1))
+        once = self.kwargs.get("once")
+        if once is not None:
+            if Path(once).exists():
+                await asyncio.Event().wait()
+            Path(once).touch()
         while True:
             pass
         yield TriggerEvent(None)  # pragma: no cover
