@@ -397,3 +397,17 @@ async def test_a_silently_dropped_subscription_is_renewed(mem: InMemory) -> None
         mem.broker.cancel_subscription(tag)
         [tid] = await client.defer_many([_deferral(1)])
         await until(lambda: tid in consumer.runner.running)
+
+
+async def test_unreadable_wakeup_is_dead_lettered_and_acked(mem: InMemory) -> None:
+    from triggerflow.transport.memory import Message
+
+    transport = mem.transport()
+    consumer = Consumer(fast_settings(), mem.store, transport)
+    async with running(consumer):
+        await until(lambda: bool(mem.broker.subscription_tags(QUEUE)))
+        mem.broker._put(QUEUE, Message(b"not a wake-up", QUEUE))
+        await until(lambda: bool(mem.broker.dead))
+        await until(lambda: not transport._unacked)
+    [dead] = mem.broker.dead
+    assert dead.body == b"not a wake-up" and dead.reason

@@ -13,8 +13,8 @@ import asyncio
 import contextlib
 import logging
 from collections import defaultdict
-from collections.abc import Coroutine, Sequence
-from typing import Any
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any, TypeVar
 
 from triggerflow.consumer.observe import ConsumerObserver
 from triggerflow.consumer.outcomes import Outcomes
@@ -34,6 +34,7 @@ from triggerflow.transport.subscriptions import Subscriptions
 from triggerflow.wire import WireError, decode_control, decode_wakeup
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # Trigger ids to claim, and the wake-up that carried them (None: freed by our own reaper).
 Wakeup = tuple[list[int], Delivery | None]
@@ -173,10 +174,8 @@ class Consumer:
             self._spawn(self.subscriptions.resume())
 
     async def _on_delivery(self, message: Delivery) -> None:
-        try:
-            ids = decode_wakeup(message.body)
-        except WireError as exc:
-            await self._dead_letter(message, str(exc))
+        ids = await self._decode(message, decode_wakeup)
+        if ids is None:
             return
         self._pending_ids += len(ids)
         self._wakeups.put_nowait((ids, message))
@@ -193,6 +192,14 @@ class Consumer:
             self._wakeups.put_nowait((chunk, None))
         return rest
 
+    async def _decode(self, message: Delivery, decode: Callable[[bytes], T]) -> T | None:
+        """The decoded message, or None when it was unreadable and is now dead-lettered."""
+        try:
+            return decode(message.body)
+        except WireError as exc:
+            await self._dead_letter(message, str(exc))
+            return None
+
     async def _dead_letter(self, message: Delivery, reason: str) -> None:
         log.warning("dead-lettering a message from %s: %s", message.routing_key, reason)
         self.metrics.dead_lettered.add(1, {"reason": reason.split(":")[0]})
@@ -203,10 +210,8 @@ class Consumer:
             await message.reject(requeue=False)  # the queue's DLX still keeps it
 
     async def _on_control(self, message: Delivery) -> None:
-        try:
-            ctl = decode_control(message.body)
-        except WireError as exc:
-            await self._dead_letter(message, str(exc))
+        ctl = await self._decode(message, decode_control)
+        if ctl is None:
             return
         if ctl.op == "cancel":
             await self.cancel(ctl.ids, cause="control")
