@@ -194,6 +194,8 @@ class RabbitNode:
             f"listeners.tcp.default = 127.0.0.1:{self.amqp_port}\n"
             f"management.tcp.ip = 127.0.0.1\n"
             f"management.tcp.port = {self.management_port}\n"
+            "# management API numbers refresh each second, not every 5 (status tests read them)\n"
+            "collect_statistics_interval = 1000\n"
             "# the suite fills its own disk less than the machine's default alarm fears\n"
             "disk_free_limit.absolute = 50MB\n")
         (self.root / "enabled_plugins").write_text("[rabbitmq_management].\n")
