@@ -27,6 +27,7 @@ import pytest
 from tests.services import RabbitNode, Services, start_services
 from triggerflow.postgres import Database, upgrade_schema
 from triggerflow.rabbitmq import Broker, Topology
+from triggerflow.rabbitmq_admin import default_management_url
 from triggerflow.sdk import TriggerflowClient
 from triggerflow.settings import Settings
 
@@ -38,25 +39,26 @@ TEMPLATE = f"triggerflow_test_template_{os.getpid()}"
 
 @dataclass
 class SuiteServices:
-    """Where the session's services are. ``own`` is None when the env overrides are used: the
-    tests that stop or restart a service need ``own`` and skip without it."""
+    """Where the session's services are. ``own`` holds the ones the suite started; a service
+    given by an env override is not ours, and the tests that stop or restart it skip."""
 
     pg: str
     amqp: str
     management: str
     own: Services | None
+    overridden: frozenset[str] = frozenset()  # "pg", "amqp"
 
-    def owned(self) -> Services:
-        if self.own is None:
+    def owned(self, *kinds: str) -> Services:
+        if self.own is None or self.overridden.intersection(kinds or ("pg", "amqp")):
             pytest.skip("restarts only services the suite started itself "
                         "(TRIGGERFLOW_TEST_PG/AMQP point elsewhere)")
         return self.own
 
     def restart_postgres(self) -> None:
-        self.owned().postgres.restart()
+        self.owned("pg").postgres.restart()
 
     def rabbit(self) -> RabbitNode:
-        return self.owned().rabbit
+        return self.owned("amqp").rabbit
 
 
 @pytest.fixture(scope="session")
@@ -64,13 +66,16 @@ def services() -> Iterator[SuiteServices]:
     pg = os.environ.get("TRIGGERFLOW_TEST_PG")
     amqp = os.environ.get("TRIGGERFLOW_TEST_AMQP")
     management = os.environ.get("TRIGGERFLOW_TEST_MANAGEMENT")
+    overridden = frozenset(k for k, v in (("pg", pg), ("amqp", amqp)) if v)
     if pg and amqp:
-        yield SuiteServices(pg, amqp, management or "http://guest:guest@127.0.0.1:15672/", None)
+        yield SuiteServices(pg, amqp, management or default_management_url(amqp), None,
+                            overridden)
         return
     own = start_services()
     try:
         yield SuiteServices(pg or own.postgres.url, amqp or own.rabbit.url,
-                           management or own.rabbit.management_url, own)
+                            management or (default_management_url(amqp) if amqp
+                                          else own.rabbit.management_url), own, overridden)
     finally:
         own.stop()
 

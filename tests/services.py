@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import os
 import pwd
+import random
 import shutil
 import signal
 import socket
@@ -39,11 +40,24 @@ RABBIT_HOME = Path("/var/lib/rabbitmq")
 START_TIMEOUT = 120.0
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+def free_port(low: int | None = None, high: int | None = None) -> int:
+    """A port nothing listens on now: any (the kernel's pick), or one in [low, high)."""
+    for _ in range(200):
+        port = random.randrange(low, high) if low and high else 0
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            found: int = s.getsockname()[1]
+            return found
+    raise RuntimeError(f"no free port in [{low}, {high})")
+
+
+def dist_port() -> int:
+    """Erlang distribution port. RabbitMQ's CLI tools connect from dist port + 10000, so it
+    must stay below 55535; the kernel's ephemeral picks often do not."""
+    return free_port(20000, 30000)
 
 
 def _as_user(user: str) -> list[str]:
@@ -151,7 +165,7 @@ class RabbitNode:
     name: str = field(default_factory=lambda: f"tftest{os.getpid()}{uuid.uuid4().hex[:4]}")
     amqp_port: int = field(default_factory=free_port)
     management_port: int = field(default_factory=free_port)
-    dist_port: int = field(default_factory=free_port)
+    dist_port: int = field(default_factory=dist_port)
     user: str = "rabbitmq"
     process: subprocess.Popen[bytes] | None = None
 

@@ -190,7 +190,7 @@ async def test_postgres_restart_mid_run_loses_no_event(
     client: TriggerflowClient, db: Database, procs: Processes, teams: list[str],
     services: SuiteServices,
 ) -> None:
-    services.owned()  # skip before starting anything when the services are not ours
+    services.owned("pg")  # skip before starting anything when PostgreSQL is not ours
     procs.writer()
     procs.consume(teams[0])
     # Events fire over ~6 s so the restart lands while the writer is applying batches.
