@@ -94,3 +94,21 @@ async def test_status_says_when_the_management_api_is_unreachable(
     table = await cli(settings, "status", management_url=down)
     assert table.returncode == 3 and "management API" in table.stdout
     assert "hunter2secret" not in out.stdout + out.stderr + table.stdout + table.stderr
+
+
+@pytest.mark.parametrize(("amqp", "management", "vhost"), [
+    ("amqp://guest:guest@127.0.0.1:5672/", "http://guest:guest@127.0.0.1:15672/", "/"),
+    ("amqp://team-ml:s%40cret@rabbit.svc:5672/prod?heartbeat=10",
+     "http://team-ml:s%40cret@rabbit.svc:15672/", "prod"),
+    ("amqp://rabbit", "http://rabbit:15672/", "/"),
+])
+def test_management_url_defaults_to_the_amqp_host_and_user(
+    amqp: str, management: str, vhost: str,
+) -> None:
+    from triggerflow.rabbitmq_admin import default_management_url, vhost_of
+
+    assert default_management_url(amqp) == management
+    assert vhost_of(amqp) == vhost
+    settings = Settings(amqp_url=amqp)
+    assert settings.management_dsn() == management
+    assert Settings(amqp_url=amqp, management_url="http://x:1/").management_dsn() == "http://x:1/"
