@@ -96,7 +96,7 @@ def pg_bin() -> Path:
 
 # Test-only speed-ups: the data survives a clean restart (the fault tests' kind) but not an
 # OS crash, which no test causes.
-FAST_PG = {"fsync": "off", "full_page_writes": "off", "synchronous_commit": "off"}
+FAST_PG = {"fsync": "off", "full_page_writes": "off"}
 
 
 @dataclass
