@@ -1,5 +1,7 @@
-# `make test` is the README's test command: it creates .venv, installs the project and
-# starts local PostgreSQL and RabbitMQ (.ci/services) when needed.
+# `make test` is the README's test command: it creates .venv and installs the project; the
+# suite starts a PostgreSQL cluster and a RabbitMQ node of its own (tests/services.py) and
+# leaves the machine's alone. `make demo` uses the machine's services (.ci/services starts
+# them when down); `make bench` runs on a fresh pair with pg_stat_statements preloaded.
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
@@ -17,7 +19,7 @@ $(STAMP): pyproject.toml
 services:
 	.ci/services
 
-test: venv services
+test: venv
 	$(BIN)/pytest -q $(PYTEST_ARGS)
 
 demo: venv services
@@ -28,5 +30,5 @@ lint: venv
 	$(BIN)/mypy triggerflow
 	$(BIN)/lint-imports
 
-bench: venv services
-	$(BIN)/triggerflow bench
+bench: venv
+	$(BIN)/python -m tests.services -- $(BIN)/triggerflow bench $(BENCH_ARGS)

@@ -1,5 +1,9 @@
-"""Fixtures against the real PostgreSQL and RabbitMQ: a database and a broker namespace per
-test (so tests never see each other's rows or queues), and real CLI processes."""
+"""Fixtures against real PostgreSQL and RabbitMQ: the session's own cluster and node
+(tests/services.py; never the machine's), a database and a broker namespace per test (so
+tests never see each other's rows or queues), and real CLI processes.
+
+``TRIGGERFLOW_TEST_PG`` / ``TRIGGERFLOW_TEST_AMQP`` / ``TRIGGERFLOW_TEST_MANAGEMENT`` (server
+URLs) mean "use these instead"; the tests that restart a service then skip."""
 
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,23 +24,77 @@ import aio_pika
 import asyncpg
 import pytest
 
+from tests.services import RabbitNode, Services, start_services
 from triggerflow.sdk import TriggerflowClient
 from triggerflow.settings import Settings
 from triggerflow.store.postgres import Database, upgrade_schema
 from triggerflow.supervise import Supervisor, child_env
+from triggerflow.transport.management import default_management_url
 from triggerflow.transport.rabbitmq import RabbitTransport, Topology
 
 ROOT = Path(__file__).resolve().parents[1]
-PG = os.environ.get("TRIGGERFLOW_TEST_PG", "postgresql://postgres@127.0.0.1:5432")
-AMQP = os.environ.get("TRIGGERFLOW_TEST_AMQP", "amqp://guest:guest@127.0.0.1:5672/")
-# One template per test session, so engineers (and CI) running suites at once never drop
-# each other's template mid-run.
+# One template per test session, so suites sharing an overridden server (TRIGGERFLOW_TEST_PG)
+# never drop each other's template mid-run.
 TEMPLATE = f"triggerflow_test_template_{os.getpid()}"
 
 
-async def admin_sql(*statements: str) -> None:
-    """Run statements on the maintenance database (CREATE / DROP DATABASE)."""
-    conn = await asyncpg.connect(f"{PG}/postgres")
+@dataclass
+class SuiteServices:
+    """Where the session's services are. ``own`` holds the ones the suite started; a service
+    given by an env override is not ours, and the tests that stop or restart it skip."""
+
+    pg: str
+    amqp: str
+    management: str
+    own: Services | None
+    overridden: frozenset[str] = frozenset()  # "pg", "amqp"
+
+    def owned(self, *kinds: str) -> Services:
+        if self.own is None or self.overridden.intersection(kinds or ("pg", "amqp")):
+            pytest.skip("restarts only services the suite started itself "
+                        "(TRIGGERFLOW_TEST_PG/AMQP point elsewhere)")
+        return self.own
+
+    def restart_postgres(self) -> None:
+        self.owned("pg").postgres.restart()
+
+    def rabbit(self) -> RabbitNode:
+        return self.owned("amqp").rabbit
+
+
+@pytest.fixture(scope="session")
+def services() -> Iterator[SuiteServices]:
+    pg = os.environ.get("TRIGGERFLOW_TEST_PG")
+    amqp = os.environ.get("TRIGGERFLOW_TEST_AMQP")
+    management = os.environ.get("TRIGGERFLOW_TEST_MANAGEMENT")
+    overridden = frozenset(k for k, v in (("pg", pg), ("amqp", amqp)) if v)
+    if pg and amqp:
+        yield SuiteServices(pg, amqp, management or default_management_url(amqp), None,
+                            overridden)
+        return
+    own = start_services()
+    try:
+        yield SuiteServices(pg or own.postgres.url, amqp or own.rabbit.url,
+                            management or (default_management_url(amqp) if amqp
+                                          else own.rabbit.management_url), own, overridden)
+    finally:
+        own.stop()
+
+
+@pytest.fixture(scope="session")
+def pg_server(services: SuiteServices) -> str:
+    """PostgreSQL server URL without a database."""
+    return services.pg
+
+
+@pytest.fixture(scope="session")
+def amqp_server(services: SuiteServices) -> str:
+    return services.amqp
+
+
+async def admin_sql(pg: str, *statements: str) -> None:
+    """Run statements on the maintenance database of server ``pg`` (CREATE / DROP DATABASE)."""
+    conn = await asyncpg.connect(f"{pg}/postgres")
     try:
         for statement in statements:
             await conn.execute(statement)
@@ -48,19 +107,19 @@ def drop_database_sql(name: str) -> str:
 
 
 @pytest.fixture(scope="session")
-def template_db() -> Iterator[str]:
-    asyncio.run(admin_sql(drop_database_sql(TEMPLATE), f'CREATE DATABASE "{TEMPLATE}"'))
-    upgrade_schema(f"{PG}/{TEMPLATE}")
+def template_db(pg_server: str) -> Iterator[str]:
+    asyncio.run(admin_sql(pg_server, drop_database_sql(TEMPLATE), f'CREATE DATABASE "{TEMPLATE}"'))
+    upgrade_schema(f"{pg_server}/{TEMPLATE}")
     yield TEMPLATE
-    asyncio.run(admin_sql(drop_database_sql(TEMPLATE)))
+    asyncio.run(admin_sql(pg_server, drop_database_sql(TEMPLATE)))
 
 
 @pytest.fixture
-async def dsn(template_db: str) -> AsyncIterator[str]:
+async def dsn(template_db: str, pg_server: str) -> AsyncIterator[str]:
     name = f"tf_{uuid.uuid4().hex[:12]}"
-    await admin_sql(f'CREATE DATABASE "{name}" TEMPLATE "{template_db}"')
-    yield f"{PG}/{name}"
-    await admin_sql(drop_database_sql(name))
+    await admin_sql(pg_server, f'CREATE DATABASE "{name}" TEMPLATE "{template_db}"')
+    yield f"{pg_server}/{name}"
+    await admin_sql(pg_server, drop_database_sql(name))
 
 
 @pytest.fixture
@@ -85,10 +144,11 @@ FAST = {
 
 
 @pytest.fixture
-def settings(dsn: str, namespace: str, teams: list[str]) -> Settings:
+def settings(dsn: str, namespace: str, teams: list[str], services: SuiteServices) -> Settings:
     return Settings(
         database_url=dsn,
-        amqp_url=AMQP,
+        amqp_url=services.amqp,
+        management_url=services.management,
         namespace=namespace,
         allowed_modules=["triggerflow.triggers", "triggerflow.examples", "tests.triggers"],
         **FAST,  # type: ignore[arg-type]

@@ -14,19 +14,19 @@ import sys
 import uuid
 from pathlib import Path
 
-from tests.conftest import AMQP, PG, ROOT, admin_sql, drop_database_sql
+from tests.conftest import ROOT, admin_sql, drop_database_sql
 
 
-def _drop(database: str) -> None:
-    asyncio.run(admin_sql(drop_database_sql(database)))
+def _drop(pg_server: str, database: str) -> None:
+    asyncio.run(admin_sql(pg_server, drop_database_sql(database)))
 
 
-def test_bench_quick_prints_tables(tmp_path: Path) -> None:
+def test_bench_quick_prints_tables(tmp_path: Path, pg_server: str, amqp_server: str) -> None:
     tag = uuid.uuid4().hex[:10]
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRIGGERFLOW_")}
     env.update({
-        "TRIGGERFLOW_DATABASE_URL": f"{PG}/tf_smoke_{tag}",
-        "TRIGGERFLOW_AMQP_URL": AMQP,
+        "TRIGGERFLOW_DATABASE_URL": f"{pg_server}/tf_smoke_{tag}",
+        "TRIGGERFLOW_AMQP_URL": amqp_server,
         "TRIGGERFLOW_NAMESPACE": f"tfs{tag}",
         "PYTHONPATH": str(ROOT),
         "COLUMNS": "160",
@@ -37,7 +37,7 @@ def test_bench_quick_prints_tables(tmp_path: Path) -> None:
             env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120,
         )
     finally:
-        _drop(f"tf_smoke_{tag}_bench")
+        _drop(pg_server, f"tf_smoke_{tag}_bench")
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     for title in ("Burst: N DateTimeTriggers", "Deferral through the SDK", "Summary"):

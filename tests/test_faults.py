@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import FAST, Processes, wait_until
+from tests.conftest import FAST, Processes, SuiteServices, wait_until
 from tests.triggers import WaitsForever
 from triggerflow.model import TaskKey
 from triggerflow.sdk import Deferral, TriggerflowClient
@@ -142,51 +142,51 @@ async def test_queue_deleted_and_redeclared_under_consumer(
         FAST["subscription_check_interval"] * 3 + 2, message="deferrals after re-declare served")
 
 
-def rabbitmqctl(*args: str) -> str:
-    return subprocess.run(["rabbitmqctl", *args], capture_output=True, text=True, timeout=120,
-                          check=True).stdout
+def close_connections(services: SuiteServices, client_name: str, reason: str) -> int:
+    """Close, on the suite's own broker node, every connection whose client properties name
+    ``client_name``; returns how many."""
+    node = services.rabbit()
+    closed = 0
+    for line in node.ctl("list_connections", "pid", "client_properties").splitlines():
+        if client_name in line:
+            node.ctl("close_connection", line.split()[0], reason)
+            closed += 1
+    return closed
 
 
 async def test_broker_connection_closed_and_app_restarted_lose_nothing(
-    client: TriggerflowClient, db: Database, procs: Processes, teams: list[str]
+    client: TriggerflowClient, db: Database, procs: Processes, teams: list[str],
+    services: SuiteServices,
 ) -> None:
+    node = services.rabbit()
     procs.writer()
     procs.consume(teams[0])
     await client.defer_many(timers(300, 3, teams[0], dag="a"))
     await wait_until(lambda: db.fetchval(
         "SELECT count(*) = 300 FROM trigger WHERE owner_id IS NOT NULL"), 15)
-    listing = rabbitmqctl("list_connections", "pid", "client_properties")
-    for line in listing.splitlines():
-        if "triggerflow-consumer" in line or "triggerflow-writer" in line:
-            rabbitmqctl("close_connection", line.split()[0], "test: closing")
+    for name in ("triggerflow-consumer", "triggerflow-writer"):
+        close_connections(services, name, "test: closing")
     await wait_until(lambda: db.fetchval(
         "SELECT count(*) = 300 FROM task_instance WHERE dag_id = 'a' AND state = 'scheduled'"),
         30, message="all applied after close_connection")
     await client.defer_many(timers(300, 8, teams[0], dag="b"))
     await asyncio.sleep(1)
-    rabbitmqctl("stop_app")
+    await asyncio.to_thread(node.stop_app)
     try:
         await asyncio.sleep(3)
     finally:
-        rabbitmqctl("start_app")
-        subprocess.run(["rabbitmqctl", "await_startup"], timeout=120, check=True,
-                       capture_output=True)
+        await asyncio.to_thread(node.start_app)
     await wait_until(lambda: db.fetchval(
         "SELECT count(*) = 300 FROM task_instance WHERE dag_id = 'b' AND state = 'scheduled'"),
         60, message="all applied after broker restart")
     assert await db.fetchval("SELECT count(*) FROM trigger") == 0
 
 
-def pg_restart() -> None:
-    version = subprocess.run(["ls", "/etc/postgresql"], capture_output=True, text=True,
-                             check=True).stdout.split()[-1]
-    subprocess.run(["pg_ctlcluster", "--skip-systemctl-redirect", version, "main", "restart"],
-                   check=True, timeout=120, capture_output=True)
-
-
 async def test_postgres_restart_mid_run_loses_no_event(
-    client: TriggerflowClient, db: Database, procs: Processes, teams: list[str]
+    client: TriggerflowClient, db: Database, procs: Processes, teams: list[str],
+    services: SuiteServices,
 ) -> None:
+    services.owned("pg")  # skip before starting anything when PostgreSQL is not ours
     procs.writer()
     procs.consume(teams[0])
     # Events fire over ~6 s so the restart lands while the writer is applying batches.
@@ -197,7 +197,7 @@ async def test_postgres_restart_mid_run_loses_no_event(
         deferrals.append(Deferral(TaskKey("pg", f"t{i}", "r"), DateTimeTrigger(moment), teams[0]))
     await client.defer_many(deferrals)
     await asyncio.sleep(4)
-    await asyncio.to_thread(pg_restart)
+    await asyncio.to_thread(services.restart_postgres)
     await wait_until(lambda: db.fetchval(
         "SELECT count(*) = 3000 FROM task_instance WHERE state = 'scheduled'"), 60,
         interval=0.5, message="every event applied after the restart")
@@ -249,19 +249,15 @@ async def test_orphan_timeout_and_unconsumed_queue_reported(
 
 
 async def test_sdk_survives_broker_and_database_restarts(
-    client: TriggerflowClient, db: Database, teams: list[str]
+    client: TriggerflowClient, db: Database, teams: list[str], services: SuiteServices,
 ) -> None:
     """The SDK's pooled connections die under it; the next defer still records and sends."""
     await client.defer(TaskKey("sdk", "before", "r"), DateTimeTrigger(
         datetime.now(UTC) + timedelta(hours=1)), queue=teams[0])
-    listing = rabbitmqctl("list_connections", "pid", "client_properties")
-    closed = 0
-    for line in listing.splitlines():
-        if "triggerflow-sdk" in line:
-            rabbitmqctl("close_connection", line.split()[0], "test: closing the SDK")
-            closed += 1
+    closed = await asyncio.to_thread(close_connections, services, "triggerflow-sdk",
+                                     "test: closing the SDK")
     assert closed >= 1
-    await asyncio.to_thread(pg_restart)
+    await asyncio.to_thread(services.restart_postgres)
     await client.defer(TaskKey("sdk", "after", "r"), DateTimeTrigger(
         datetime.now(UTC) + timedelta(hours=1)), queue=teams[0])
     await wait_until(lambda: db.fetchval(

@@ -602,7 +602,8 @@ async def test_passwords_never_printed(
     assert "guest:guest" in settings.amqp_url.get_secret_value()
     procs.writer(log_level="DEBUG")
     consumer = procs.consume(teams[0], log_level="DEBUG", log_format="json")
-    refused = procs.consume(teams[0], amqp_url="amqp://guest:hunter2secret@127.0.0.1:5672/")
+    refused = procs.consume(teams[0], amqp_url=settings.amqp_url.get_secret_value().replace(
+        "guest:guest@", "guest:hunter2secret@"))
     await consumer_id(db, consumer)
     await client.defer(key(1), Raises(), queue=teams[0])
     await wait_until(lambda: db.fetchval("SELECT state = 'scheduled' FROM task_instance"), 20)

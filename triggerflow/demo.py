@@ -15,6 +15,7 @@ import time
 import uuid
 from collections import Counter
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from rich.console import Console
 from rich.live import Live
@@ -62,6 +63,12 @@ def _operators(tasks: int, workdir: Path, team: str) -> dict[str, BaseOperator]:
     return ops
 
 
+def _where(url: str) -> str:
+    """host:port/path of a URL, without its credentials."""
+    parts = urlsplit(url)
+    return f"{parts.hostname}:{parts.port}{parts.path.split('?')[0]}"
+
+
 def run_demo(settings: Settings, tasks: int, keep_running: bool) -> int:
     return asyncio.run(_demo(settings, tasks, keep_running))
 
@@ -71,6 +78,9 @@ async def _demo(settings: Settings, tasks: int, keep_running: bool) -> int:
     settings = settings.model_copy(update={
         "allowed_modules": ["triggerflow.triggers", "triggerflow.examples"]})
     dsn = settings.database_dsn()
+    console.print(f"using the services at hand, as they are (nothing is reconfigured): "
+                  f"PostgreSQL {_where(dsn)}, RabbitMQ {_where(settings.amqp_dsn())}",
+                  highlight=False)
     console.print("[bold]1/4[/] schema and topology")
     try:
         await ensure_database(dsn)

@@ -16,7 +16,8 @@ class Redactor:
 
     def __init__(self, settings: Settings) -> None:
         self.secrets: list[str] = []
-        for url in (settings.amqp_url.get_secret_value(), settings.database_url.get_secret_value()):
+        for url in (settings.amqp_url.get_secret_value(), settings.database_url.get_secret_value(),
+                    settings.management_dsn()):
             password = URL(url).raw_password
             if password:
                 self.secrets += {password, URL(url).password or password}

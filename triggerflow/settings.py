@@ -41,6 +41,13 @@ class Settings(BaseSettings):
         SecretStr("amqp://guest:guest@127.0.0.1:5672/"),
         description="RabbitMQ URL. The heartbeat below is added unless the URL sets one.",
     )
+    management_url: SecretStr | None = Field(
+        None,
+        description=(
+            "RabbitMQ management HTTP API URL, credentials included (`status` lists the broker's "
+            "team queues with it). Default: the AMQP URL's user, password and host on port 15672."
+        ),
+    )
     database_url: SecretStr = Field(
         SecretStr("postgresql://127.0.0.1:5432/triggerflow"), description="PostgreSQL URL."
     )
@@ -149,6 +156,13 @@ class Settings(BaseSettings):
         if "heartbeat" in url.query:
             return str(url)
         return str(url.update_query(heartbeat=self.heartbeat))
+
+    def management_dsn(self) -> str:
+        if self.management_url is not None:
+            return self.management_url.get_secret_value()
+        from triggerflow.transport.management import default_management_url
+
+        return default_management_url(self.amqp_url.get_secret_value())
 
     def database_dsn(self) -> str:
         return self.database_url.get_secret_value()

@@ -133,6 +133,11 @@ class Metrics:
             "triggerflow.queues.unconsumed",
             description="Reaper sweeps that found a queue with no live consumer",
         )
+        # Exported at 0 from the start: Prometheus' increase() cannot see a series' first
+        # sample as an increase, so a counter born at 1 would hide the first lease loss or
+        # timeout from the alerts (deploy/prometheus/alerts.yaml).
+        for unlabelled in (self.leases_lost, self.timed_out):
+            unlabelled.add(0)
 
     def gauge(self, name: str, description: str, observe: Observe) -> None:
         """Observe ``name`` through ``observe`` (called on each collection, in the exporter's

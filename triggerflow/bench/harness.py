@@ -396,7 +396,16 @@ class Bench:
         return [r["l"] for r in rows], [r["f"] for r in rows if r["f"] is not None]
 
     async def stmt_reset(self) -> None:
-        await self.db().execute("SELECT pg_stat_statements_reset(0, $1, 0)", self.dbid)
+        import asyncpg
+
+        try:
+            await self.db().execute("SELECT pg_stat_statements_reset(0, $1, 0)", self.dbid)
+        except asyncpg.ObjectNotInPrerequisiteStateError as exc:
+            raise RuntimeError(
+                "statement counts need pg_stat_statements in shared_preload_libraries, which "
+                "this PostgreSQL does not preload. `make bench` runs the bench on a cluster of "
+                "its own that does (python -m tests.services -- triggerflow bench); or add it "
+                "to this server's configuration yourself and restart it") from exc
 
     async def stmt_snapshot(self) -> list[dict[str, Any]]:
         """Statements of the measured processes since the last reset, by role and statement."""

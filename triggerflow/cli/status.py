@@ -23,6 +23,13 @@ from triggerflow.store.postgres.admin import (
     STATUS_QUEUES,
 )
 from triggerflow.transport import QueueInfo
+from triggerflow.transport.management import (
+    BrokerQueue,
+    ManagementClient,
+    ManagementUnavailable,
+    vhost_of,
+)
+from triggerflow.transport.rabbitmq import Topology
 from triggerflow.wiring import admin_database, rabbit_transport
 
 EXIT_ATTENTION = 3
@@ -45,6 +52,8 @@ async def collect_status(settings: Settings) -> dict[str, Any]:
     names = set(queues) | set(settings.queues)
     for c in consumers:
         names.update(c["queues"])
+    listed, management_error = await broker_team_queues(settings)
+    names.update(listed)
     broker_info: dict[str, QueueInfo | None] = {}
     broker_error = None
     try:
@@ -74,9 +83,10 @@ async def collect_status(settings: Settings) -> dict[str, Any]:
             "unclaimed": row.get("unclaimed", 0),
             "quarantined": row.get("quarantined", 0),
             "dead_owner": row.get("dead_owner", 0),
+            **broker_columns(listed.get(name), management_error),
         }
         report_queues.append(entry)
-        if not live and (entry["triggers"] or name in settings.queues):
+        if not live and (entry["triggers"] or name in settings.queues or name in listed):
             problems.append(f"queue {name} has no live consumer")
         if entry["dead_owner"]:
             problems.append(f"queue {name}: {entry['dead_owner']} triggers held by dead owners")
@@ -86,12 +96,42 @@ async def collect_status(settings: Settings) -> dict[str, Any]:
         problems.append(f"{len(quarantined)} quarantined trigger(s)")
     if overdue:
         problems.append(f"{overdue} deferred task(s) past their timeout")
-    if broker_error:
-        problems.append(f"broker unreachable: {broker_error}")
+    problems += _access_problems(broker_error, management_error, redact)
     for q in quarantined:
         q["last_error"] = redact(q["last_error"]) if q["last_error"] else q["last_error"]
     return {"queues": report_queues, "consumers": consumers, "overdue_tasks": overdue,
             "quarantined": quarantined, "problems": problems}
+
+
+async def broker_team_queues(settings: Settings) -> tuple[dict[str, BrokerQueue], str | None]:
+    """Every team queue the broker has (management API), or why it could not be listed."""
+    try:
+        async with ManagementClient(settings.management_dsn()) as api:
+            found = await api.team_queues(vhost_of(settings.amqp_dsn()),
+                                          Topology(settings.namespace).deferrals)
+    except ManagementUnavailable as exc:
+        return {}, str(exc)
+    return found, None
+
+
+def _access_problems(broker_error: str | None, management_error: str | None,
+                     redact: Redactor) -> list[str]:
+    problems = []
+    if broker_error:
+        problems.append(f"broker unreachable: {broker_error}")
+    if management_error:
+        problems.append(f"broker queue list unavailable: {redact(management_error)}")
+    return problems
+
+
+def broker_columns(queue: BrokerQueue | None, error: str | None) -> dict[str, Any]:
+    """The broker's own numbers for one queue; None when they could not be read."""
+    return {
+        "in_broker": None if error else queue is not None,
+        "broker_ready": queue.ready if queue else None,
+        "broker_unacked": queue.unacked if queue else None,
+        "broker_listed_consumers": queue.consumers if queue else None,
+    }
 
 
 def _render_status(report: dict[str, Any]) -> None:
@@ -101,11 +141,13 @@ def _render_status(report: dict[str, Any]) -> None:
     # Piped into a file or a pod log, do not fold queue names at 80 columns.
     console = Console(width=None if sys.stdout.isatty() else 200)
     t = Table(title="Queues")
-    for col in ("queue", "depth", "consumers", "running", "triggers", "unclaimed",
-                "quarantined", "dead owner"):
+    for col in ("queue", "depth", "unacked", "broker consumers", "consumers", "running",
+                "triggers", "unclaimed", "quarantined", "dead owner"):
         t.add_column(col, justify="left" if col == "queue" else "right", no_wrap=True)
     for q in report["queues"]:
-        t.add_row(q["queue"], "-" if q["depth"] is None else str(q["depth"]), str(q["consumers"]),
+        t.add_row(q["queue"], "-" if q["depth"] is None else str(q["depth"]),
+                  _dash(q.get("broker_unacked")), _dash(q.get("broker_listed_consumers")),
+                  str(q["consumers"]),
                   str(q["running"]), str(q["triggers"]), str(q["unclaimed"]),
                   str(q["quarantined"]), str(q["dead_owner"]))
     console.print(t)
@@ -131,6 +173,10 @@ def _render_status(report: dict[str, Any]) -> None:
         console.print(f"[bold red]attention:[/] {p}", markup=True, highlight=False)
     if not report["problems"]:
         console.print("[green]all queues served[/]")
+
+
+def _dash(value: Any) -> str:
+    return "-" if value is None else str(value)
 
 
 def json_default(value: Any) -> Any:
@@ -175,14 +221,16 @@ def register(main: click.Group) -> None:
     connection = CONNECTION
 
     @main.command()
-    @settings_options(*connection, "queues")
+    @settings_options(*connection, "queues", "management_url")
     @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
     def status(as_json: bool, **values: Any) -> None:
-        """Queues (depth, consumers, running), processes, overdue and quarantined triggers.
+        """Queues (depth, unacked, consumers, running), processes, overdue and quarantined
+        triggers. Team queues are listed from the broker (management API) and the database.
 
-        Exit 3 when something needs attention: a queue with triggers (or named by --queue)
-        and no live consumer, triggers held by dead owners, quarantined triggers, deferred
-        tasks past their timeout, or an unreachable broker."""
+        Exit 3 when something needs attention: a team queue in the broker, a queue with
+        triggers, or one named by --queue, with no live consumer; triggers held by dead
+        owners; quarantined triggers; deferred tasks past their timeout; an unreachable
+        broker or management API."""
         settings = build_settings(values)
         redact = Redactor(settings)
         try:

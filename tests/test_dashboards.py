@@ -1,0 +1,264 @@
+"""The Grafana dashboard and the Prometheus alert rules use only metrics and labels that a real
+consumer and writer export.
+
+One run makes every series appear (counters show up on their first increment): timers fire
+and are applied, a trigger raises, an orphaned deferral times out, garbage is dead-lettered,
+a stopped consumer loses its lease, and a trigger that kills its consumers is quarantined.
+Then both /metrics endpoints are scraped and every expression is checked against them. With
+``promtool`` (``.ci/tools`` fetches it) every expression is also parsed as PromQL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import shutil
+import signal
+import subprocess
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.conftest import FAST, ROOT, Processes, wait_until
+from tests.services import free_port
+from tests.triggers import Killer, Raises
+from triggerflow.model import TaskKey
+from triggerflow.sdk import Deferral, TriggerflowClient
+from triggerflow.settings import Settings
+from triggerflow.store.postgres import Database
+from triggerflow.transport.rabbitmq import RabbitTransport, Topology
+from triggerflow.triggers import DateTimeTrigger
+
+DASHBOARD = ROOT / "deploy" / "grafana" / "triggerflow.json"
+ALERTS = ROOT / "deploy" / "prometheus" / "alerts.yaml"
+# Labels Prometheus adds to every series it scrapes (not the process's own).
+TARGET_LABELS = {"instance", "job", "pod", "namespace"}
+METRIC = re.compile(r"\b(triggerflow_[a-z_]+)\b(\{[^}]*\})?")
+MATCHER = re.compile(r"([a-zA-Z_][a-zA-Z0-9_]*)\s*(?:=~|!~|!=|=)")
+GROUPING = re.compile(r"\b(?:by|on|without|ignoring)\s*\(([^)]*)\)")
+
+
+def dashboard_expressions() -> dict[str, str]:
+    board = json.loads(DASHBOARD.read_text())
+    exprs = {f"panel {p['title']!r} {t['refId']}": t["expr"]
+             for p in board["panels"] for t in p["targets"]}
+    for var in board["templating"]["list"]:
+        if var["type"] == "query":
+            metric, label = re.fullmatch(r"label_values\((\w+), (\w+)\)",
+                                         var["query"]["query"]).groups()  # type: ignore[union-attr]
+            exprs[f"variable ${var['name']}"] = f"max by ({label}) ({metric})"
+    return exprs
+
+
+def alert_expressions() -> dict[str, str]:
+    rules = yaml.safe_load(ALERTS.read_text())
+    return {f"alert {r['alert']}": r["expr"] for g in rules["groups"] for r in g["rules"]}
+
+
+def uses(expr: str) -> tuple[dict[str, set[str]], set[str]]:
+    """(metric -> labels its own matchers use, labels used in by/on/without clauses)."""
+    metrics: dict[str, set[str]] = {}
+    for name, matchers in METRIC.findall(expr):
+        metrics.setdefault(name, set()).update(MATCHER.findall(matchers))
+    grouping = {label.strip() for group in GROUPING.findall(expr)
+                for label in group.split(",") if label.strip()}
+    return metrics, grouping
+
+
+def missing(expr: str, exported: dict[str, set[str]]) -> list[str]:
+    metrics, grouping = uses(expr)
+    problems = []
+    for name, labels in metrics.items():
+        if name not in exported:
+            problems.append(f"{name} is not exported")
+            continue
+        problems += [f"{name} has no label {label}" for label in labels - exported[name]]
+    known = set().union(*(exported.get(m, set()) for m in metrics)) | TARGET_LABELS
+    problems += [f"no metric in it has label {label}" for label in grouping - known]
+    return problems
+
+
+def test_expressions_name_metrics() -> None:
+    """The parsing above finds what it checks (a typo in the regexes would pass everything)."""
+    exprs = {**dashboard_expressions(), **alert_expressions()}
+    assert len(exprs) >= 20
+    for where, expr in exprs.items():
+        assert uses(expr)[0], where
+    assert uses('sum by (queue) (rate(triggerflow_x_total{queue="a",kind!~"b"}[1m]))') == (
+        {"triggerflow_x_total": {"queue", "kind"}}, {"queue"})
+
+
+def promtool() -> str | None:
+    return shutil.which("promtool") or next(
+        (str(p) for p in (ROOT / ".tools").glob("*/usr/bin/promtool")), None)
+
+
+def test_expressions_parse_as_promql(tmp_path: Path) -> None:
+    tool = promtool()
+    if tool is None:
+        pytest.skip("promtool not found (.ci/tools fetches it)")
+    out = subprocess.run([tool, "check", "rules", str(ALERTS)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+    # Grafana's variables become constants; each panel query becomes a recording rule.
+    rules = [{"record": f"dashboard:q{i}", "expr": expr.replace("$__rate_interval", "1m")
+              .replace("$team", "team-ml")}
+             for i, expr in enumerate(dashboard_expressions().values())]
+    path = tmp_path / "dashboard-rules.yaml"
+    path.write_text(yaml.safe_dump({"groups": [{"name": "dashboard", "rules": rules}]}))
+    out = subprocess.run([tool, "check", "rules", str(path)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+async def scrape(port: int) -> dict[str, set[str]]:
+    """Sample name -> every label name seen on it."""
+    async with httpx.AsyncClient() as http:
+        text = (await http.get(f"http://127.0.0.1:{port}/metrics", timeout=5)).text
+    exported: dict[str, set[str]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            exported.setdefault(sample.name, set()).update(sample.labels)
+    return exported
+
+
+def merged(*scrapes: dict[str, set[str]]) -> dict[str, set[str]]:
+    out: dict[str, set[str]] = {}
+    for s in scrapes:
+        for name, labels in s.items():
+            out.setdefault(name, set()).update(labels)
+    return out
+
+
+async def test_every_dashboard_and_alert_series_is_exported(
+    client: TriggerflowClient, db: Database, procs: Processes, teams: list[str],
+    settings: Settings, topology: Topology,
+) -> None:
+    served, orphaned = teams
+    writer_port, consumer_port = free_port(), free_port()
+    procs.writer(metrics_port=writer_port, max_failures=2, unclaimed_grace=0.5)
+    consumer = procs.consume(served, metrics_port=consumer_port)
+    await wait_until(lambda: db.fetchval(
+        "SELECT count(*) = 2 FROM consumer WHERE expires_at > now()"), 20)
+
+    soon = datetime.now(UTC) + timedelta(seconds=0.5)
+    await client.defer_many([Deferral(TaskKey("m", f"t{i}", "r"), DateTimeTrigger(soon), served)
+                             for i in range(5)])
+    await client.defer(TaskKey("m", "raises", "r"), Raises(), queue=served)
+    await client.defer(TaskKey("m", "orphan", "r"), DateTimeTrigger(
+        datetime.now(UTC) + timedelta(hours=1)), queue=orphaned, timeout=1)
+    broker = RabbitTransport(settings.amqp_dsn(), topology, name="test-garbage")
+    await broker.connect()
+    await broker.publish(topology.deferrals, served, b"\x00 not a wake-up")
+    await broker.close()
+    await wait_until(lambda: db.fetchval(
+        "SELECT count(*) = 7 FROM task_instance WHERE state = 'scheduled'"), 20,
+        message="timers, the failure and the orphan's timeout applied")
+
+    consumer.send_signal(signal.SIGSTOP)  # past its lease: it fences itself on waking
+    await asyncio.sleep(FAST["lease_ttl"] + 1.5)
+    consumer.send_signal(signal.SIGCONT)
+
+    async def lease_lost() -> dict[str, set[str]] | None:
+        found = await scrape(consumer_port)
+        return found if "triggerflow_lease_lost_total" in found else None
+
+    from_consumer = await wait_until(lease_lost, 15, interval=0.5, message="lease lost counted")
+
+    # Two of three victims die running it; the survivor then quarantines it.
+    victim_ports = [free_port() for _ in range(3)]
+    victims = [procs.consume(orphaned, max_failures=2, metrics_port=port)
+               for port in victim_ports]
+    await wait_until(lambda: db.fetchval(
+        "SELECT count(*) = 3 FROM consumer WHERE expires_at > now() AND $1 = ANY(queues)",
+        orphaned), 20, message="victims registered")
+    tid = await client.defer(TaskKey("m", "killer", "r"), Killer(delay=0.3), queue=orphaned,
+                             timeout=3600)
+    await wait_until(lambda: db.fetchval(
+        "SELECT quarantined_at IS NOT NULL FROM trigger WHERE id = $1", tid), 40,
+        message="killer quarantined")
+
+    survivors = [port for port, v in zip(victim_ports, victims, strict=True) if v.poll() is None]
+    assert len(survivors) == 1
+
+    async def all_series() -> dict[str, set[str]] | None:
+        found = merged(from_consumer, await scrape(consumer_port), await scrape(writer_port),
+                       await scrape(survivors[0]))
+        return found if "triggerflow_reaper_quarantined_total" in found else None
+
+    exported = await wait_until(all_series, 10, interval=0.5, message="quarantine counted")
+    problems = {where: p for where, expr in {**dashboard_expressions(),
+                                             **alert_expressions()}.items()
+                if (p := missing(expr, exported))}
+    assert problems == {}, json.dumps(problems, indent=2)
+    # and the checker notices a metric or label that is not there
+    assert missing('rate(triggerflow_nope_total[1m])', exported)
+    assert missing('triggerflow_triggers_running{team="x"}', exported)
+
+
+# Each alert against series that should fire it (and a near miss that should not).
+ALERT_CASES: dict[str, dict[str, Any]] = {
+    "TriggerflowQueueWithoutConsumer": {
+        "series": {'triggerflow_queue_consumers{queue="team-ml",instance="w"}': "1 1 0 0 0 0",
+                   'triggerflow_queue_consumers{queue="ns.events",instance="w"}': "0x5",
+                   'triggerflow_queue_consumers{queue="team-data-eng",instance="w"}': "1x5"},
+        "at": "5m", "labels": [{"queue": "team-ml"}],
+    },
+    "TriggerflowOverdueDeferredTasks": {
+        "series": {'triggerflow_reaper_timed_out_total{instance="w"}': "0 0 0 3 3"},
+        "at": "4m", "labels": [{"instance": "w"}],
+    },
+    "TriggerflowTriggersQuarantined": {  # a series born at 1: only the `unless` clause sees it
+        "series": {'triggerflow_reaper_quarantined_total{queue="team-ml",instance="c"}':
+                   "_ _ 1 1 1"},
+        "at": "4m", "labels": [{"queue": "team-ml"}],
+    },
+    "TriggerflowLeaseFlapping": {
+        "series": {'triggerflow_lease_lost_total{instance="c1"}': "0 1 2 2 2",
+                   'triggerflow_lease_lost_total{instance="c2"}': "0 0 1 1 1"},
+        "at": "4m", "labels": [{"instance": "c1"}],
+    },
+    "TriggerflowWriterLag": {
+        "series": {'triggerflow_queue_depth{queue="ns.events",instance="w"}': "0 500x8"},
+        "at": "8m", "labels": [{}],
+    },
+    "TriggerflowDeadLetters": {
+        "series": {'triggerflow_queue_depth{queue="ns.dead",instance="w"}': "0 0 1 1"},
+        "at": "3m", "labels": [{}],
+    },
+}
+
+
+def test_alerts_fire_on_their_conditions(tmp_path: Path) -> None:
+    tool = promtool()
+    if tool is None:
+        pytest.skip("promtool not found (.ci/tools fetches it)")
+    rules = yaml.safe_load(ALERTS.read_text())
+    severity = {}
+    for group in rules["groups"]:
+        for rule in group["rules"]:
+            rule.pop("annotations")  # checked by eye in docs; the conditions are tested here
+            severity[rule["alert"]] = rule["labels"]["severity"]
+    assert set(severity) == set(ALERT_CASES)
+    (tmp_path / "rules.yaml").write_text(yaml.safe_dump(rules))
+    tests = []
+    for alert, case in ALERT_CASES.items():
+        tests.append({
+            "interval": "1m",
+            "input_series": [{"series": s, "values": v} for s, v in case["series"].items()],
+            "alert_rule_test": [
+                {"eval_time": case["at"], "alertname": alert,
+                 "exp_alerts": [{"exp_labels": {**labels, "severity": severity[alert]}}
+                                for labels in case["labels"]]},
+                {"eval_time": "0m", "alertname": alert, "exp_alerts": []},
+            ],
+        })
+    (tmp_path / "tests.yaml").write_text(yaml.safe_dump(
+        {"rule_files": ["rules.yaml"], "evaluation_interval": "1m", "tests": tests}))
+    out = subprocess.run([tool, "test", "rules", "tests.yaml"], capture_output=True, text=True,
+                         cwd=tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr

@@ -1,0 +1,104 @@
+"""The broker's own view of the team queues, read from the RabbitMQ management HTTP API.
+
+AMQP can only ask about a queue by name; the management API lists what exists, so a team
+queue that the database has never heard of (declared, bound, and consumed by nobody) still
+shows up in ``triggerflow status``. A team queue is any queue bound to the namespace's
+deferrals exchange.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import quote, unquote, urlsplit, urlunsplit
+
+import httpx
+
+DEFAULT_PORT = 15672
+TIMEOUT = 5.0
+
+
+class ManagementUnavailable(Exception):
+    """The management API could not be asked (down, plugin off, refused credentials)."""
+
+
+@dataclass(frozen=True)
+class BrokerQueue:
+    name: str
+    ready: int  # messages waiting for a consumer
+    unacked: int  # delivered, not yet acknowledged
+    consumers: int
+
+
+def default_management_url(amqp_url: str) -> str:
+    """The AMQP URL's credentials and host on the management plugin's default port (http)."""
+    parts = urlsplit(amqp_url)
+    userinfo = ""
+    if parts.username is not None:
+        userinfo = parts.username + (f":{parts.password}" if parts.password is not None else "")
+        userinfo += "@"
+    return urlunsplit(("http", f"{userinfo}{parts.hostname or 'localhost'}:{DEFAULT_PORT}",
+                       "/", "", ""))
+
+
+def vhost_of(amqp_url: str) -> str:
+    path = urlsplit(amqp_url).path
+    return unquote(path[1:]) if len(path) > 1 else "/"
+
+
+class ManagementClient:
+    """A few read-only calls of the management API. ``url`` may carry credentials
+    (``http://user:password@host:15672/``); without them the AMQP default guest/guest is
+    not assumed, the API answers 401 and ``ManagementUnavailable`` says so."""
+
+    def __init__(self, url: str, timeout: float = TIMEOUT) -> None:
+        parts = urlsplit(url)
+        self.base = urlunsplit((parts.scheme, f"{parts.hostname}:{parts.port or DEFAULT_PORT}",
+                                parts.path.rstrip("/"), "", ""))
+        auth = None
+        if parts.username is not None:
+            auth = (unquote(parts.username), unquote(parts.password or ""))
+        self._client = httpx.AsyncClient(auth=auth, timeout=timeout)
+
+    async def __aenter__(self) -> ManagementClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._client.aclose()
+
+    async def _get(self, path: str, **params: str) -> Any:
+        url = f"{self.base}/api/{path}"
+        try:
+            response = await self._client.get(url, params=params)
+        except httpx.HTTPError as exc:
+            raise ManagementUnavailable(
+                f"RabbitMQ management API at {self.base} unreachable "
+                f"({type(exc).__name__}: {exc or 'no answer'}); is the rabbitmq_management "
+                "plugin enabled, and is TRIGGERFLOW_MANAGEMENT_URL right?") from exc
+        if response.status_code == 404:
+            return None
+        if response.status_code != 200:
+            raise ManagementUnavailable(
+                f"RabbitMQ management API at {self.base} answered {response.status_code} "
+                f"for {path} ({response.reason_phrase})")
+        return response.json()
+
+    async def team_queues(self, vhost: str, deferrals_exchange: str) -> dict[str, BrokerQueue]:
+        """Queues bound to ``deferrals_exchange`` (empty when the exchange does not exist)."""
+        v = quote(vhost, safe="")
+        bindings = await self._get(
+            f"exchanges/{v}/{quote(deferrals_exchange, safe='')}/bindings/source")
+        names = {b["destination"] for b in bindings or []
+                 if b.get("destination_type") == "queue"}
+        if not names:
+            return {}
+        rows = await self._get(
+            f"queues/{v}",
+            columns="name,messages_ready,messages_unacknowledged,consumers")
+        return {
+            r["name"]: BrokerQueue(r["name"], int(r.get("messages_ready") or 0),
+                                   int(r.get("messages_unacknowledged") or 0),
+                                   int(r.get("consumers") or 0))
+            for r in rows or []
+            if r["name"] in names
+        }
