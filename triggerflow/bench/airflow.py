@@ -31,7 +31,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from triggerflow.bench.airflow_seed import DAG_ID, TASK_ID, bench_dag
+from triggerflow.bench.airflow_seed import bench_dag
 from triggerflow.bench.airflow_stack import AirflowStack
 from triggerflow.bench.common import dist
 
@@ -187,8 +187,49 @@ def _seed(stack: AirflowStack, n: int, lead: float) -> dict[str, Any]:
     return result
 
 
-def run_airflow_bench(server_url: str, quick: bool, log: Any = print) -> dict[str, Any]:
-    """Every size of FULL (or QUICK) against Airflow's own triggerer; results by N."""
+def run_airflow_bench(database_url: str, quick: bool) -> int:
+    """``triggerflow bench airflow [--quick]``: each size against Airflow's own triggerer, on
+    the PostgreSQL server of ``database_url`` (a database of its own per size); prints a table
+    and saves the raw results under bench-results/."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    from rich.console import Console
+
+    console = Console(log_path=False)
+    server_url = urlunsplit(urlsplit(database_url)._replace(path="", query=""))
     sizes = QUICK if quick else FULL
-    return {"sizes": sizes.__dict__, "task": f"{DAG_ID}.{TASK_ID}", "queue": QUEUE,
-            "airflow_triggerer": [measure(server_url, n, sizes.limit, log) for n in sizes.counts]}
+    rows = [measure(server_url, n, sizes.limit, console.log) for n in sizes.counts]
+    console.print(table_airflow(rows))
+    out = Path("bench-results")
+    out.mkdir(exist_ok=True)
+    path = out / f"bench-airflow-{datetime.now():%Y%m%d-%H%M%S}{'-quick' if quick else ''}.json"
+    path.write_text(json.dumps({"command": "triggerflow bench airflow" + (" --quick" if quick else ""),
+                                "sizes": sizes.__dict__, "queue": QUEUE,
+                                "airflow_triggerer": rows}, indent=1, default=str))
+    console.print(f"raw results: {path}")
+    return 0 if all(r["applied"] == r["n"] for r in rows) else 1
+
+
+def table_airflow(rows: list[dict[str, Any]]) -> Any:
+    from rich.table import Table
+
+    from triggerflow.bench.common import ms, num
+
+    t = Table(title="Airflow 3.3.2's own `airflow triggerer`: N DateTimeSensorAsync firing at "
+              "one instant (no scheduler)")
+    for col in ("N", "scheduled", "p50", "p99", "all applied", "held at instant",
+                "RSS empty", "per held trigger", "statements/event"):
+        t.add_column(col, justify="right")
+    for r in rows:
+        lat = r["latency"]
+        t.add_row(num(r["n"]), f"{num(r['applied'])} in {r['limit_s']:.0f} s", ms(lat["p50"]),
+                  ms(lat["p99"]), ms(r["all_applied_s"]), num(r["held_at_instant"]),
+                  f"{r['rss_empty'] / 2**20:.0f} MiB",
+                  "-" if r["bytes_per_held_trigger"] is None
+                  else f"{r['bytes_per_held_trigger'] / 1024:.1f} KB",
+                  num(r["statements_per_event"], 1))
+    t.caption = ("Latency = Airflow's scheduled_dttm - the instant; the instant is 2.5 s + N/2,500 s "
+                 "after the task instances exist, deferral included (the native burst's rule). "
+                 "RSS = the triggerer's process tree. Statements from pg_stat_statements "
+                 "(\"-\" when PostgreSQL does not preload it).")
+    return t
