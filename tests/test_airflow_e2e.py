@@ -77,6 +77,7 @@ def airflow_stack(tmp_path: Path) -> Iterator[AirflowStack]:
     finally:
         # TRIGGERFLOW_TEST_KEEP_AIRFLOW_HOME=1 keeps the home (logs, config) for a post-mortem.
         stack.stop(keep_home=bool(os.environ.get("TRIGGERFLOW_TEST_KEEP_AIRFLOW_HOME")))
+    assert stack.leftovers() == [], "Airflow processes outlived the stack"
 
 
 def run_e2e_dags(stack: AirflowStack, tmp_path: Path) -> Outcome:

@@ -132,7 +132,7 @@ def measure(server_url: str, n: int, limit: float, log: Any = print,
         rss_empty = _tree_rss(pgid) if pgid else 0
         lead = 2.5 + n / 2500
         log(f"airflow bench N={n:,}: migrated in {migrate_s:.1f}s; seeding")
-        seeded = _seed(stack, n, lead)
+        seeded = seed_rows(stack, n, lead)
         instant = datetime.fromisoformat(seeded["instant"])
         log(f"airflow bench N={n:,}: run with {n:,} task instances made in "
             f"{seeded['create_s']:.1f}s, deferred in {seeded['defer_s']:.1f}s; lead {lead:.1f}s")
@@ -177,10 +177,11 @@ def measure(server_url: str, n: int, limit: float, log: Any = print,
         stack.stop()
 
 
-def _seed(stack: AirflowStack, n: int, lead: float) -> dict[str, Any]:
+def seed_rows(stack: AirflowStack, n: int, lead: float, instant: str | None = None) -> dict[str, Any]:
+    """Run ``airflow_seed`` in the stack's environment (see its doc); returns its report."""
     done = subprocess.run([sys.executable, "-m", "triggerflow.bench.airflow_seed", str(n),
-                           str(lead), QUEUE], env=stack.env, capture_output=True,
-                          text=True, timeout=600, check=False)
+                           str(lead), QUEUE, *([instant] if instant else [])],
+                          env=stack.env, capture_output=True, text=True, timeout=600, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"seeding {n} rows failed:\n{done.stderr[-4000:]}")
     result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
@@ -195,7 +196,7 @@ def run_airflow_bench(database_url: str, quick: bool) -> int:
 
     from rich.console import Console
 
-    console = Console(log_path=False)
+    console = Console(log_path=False, width=None if sys.stdout.isatty() else 150)
     server_url = urlunsplit(urlsplit(database_url)._replace(path="", query=""))
     sizes = QUICK if quick else FULL
     rows = [measure(server_url, n, sizes.limit, console.log) for n in sizes.counts]

@@ -1,11 +1,11 @@
-"""``python -m triggerflow.bench.airflow_seed N LEAD QUEUE``: N deferred DateTimeSensorAsync
+"""``python -m triggerflow.bench.airflow_seed N LEAD QUEUE [INSTANT]``: N deferred DateTimeSensorAsync
 task instances with their trigger rows exactly as Airflow writes them, built with Airflow's
 own code, in the metadata database of the environment (``AIRFLOW__*``, set by AirflowStack).
 
 Run in a child process so that only it imports and configures Airflow. The instant is LEAD
 seconds after the task instances exist and before they defer (the native burst's rule: the
-deferral itself is inside the lead). Prints one JSON line: ``{"run_id", "n", "instant",
-"create_s", "defer_s"}``.
+deferral itself is inside the lead), or INSTANT (ISO 8601) when given. Prints one JSON line:
+``{"run_id", "n", "instant", "create_s", "defer_s"}``.
 
 How the rows are made, so that they are Airflow's and still take seconds for 10,000:
 
@@ -48,7 +48,7 @@ def bench_dag(n: int, queue: str) -> str:
     return BENCH_DAG.format(dag_id=DAG_ID, task_id=TASK_ID, queue=queue, n=n)
 
 
-def seed(n: int, lead: float, queue: str) -> dict[str, Any]:
+def seed(n: int, lead: float, queue: str, at: str | None = None) -> dict[str, Any]:
     from airflow.models.dagrun import DagRun
     from airflow.models.serialized_dag import SerializedDagModel
     from airflow.models.taskinstance import TaskInstance
@@ -75,7 +75,7 @@ def seed(n: int, lead: float, queue: str) -> dict[str, Any]:
     create_s = time.monotonic() - t0
 
     t1 = time.monotonic()
-    instant = timezone.utcnow() + timedelta(seconds=lead)
+    instant = timezone.parse(at) if at else timezone.utcnow() + timedelta(seconds=lead)
     sensor = DateTimeSensorAsync(task_id=TASK_ID, target_time=instant.isoformat(), queue=queue)
     try:
         sensor.execute({})
@@ -111,4 +111,4 @@ def seed(n: int, lead: float, queue: str) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    print(json.dumps(seed(int(sys.argv[1]), float(sys.argv[2]), sys.argv[3])))
+    print(json.dumps(seed(int(sys.argv[1]), float(sys.argv[2]), sys.argv[3], *sys.argv[4:5])))

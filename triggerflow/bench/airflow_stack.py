@@ -98,6 +98,7 @@ class AirflowStack:
     processes: dict[str, AirflowProcess] = field(default_factory=dict)
     _created_db: bool = False
     _token: str | None = None
+    _groups: set[int] = field(default_factory=set)
 
     # ------------------------------------------------------------------ configuration
 
@@ -179,6 +180,7 @@ class AirflowStack:
                                      stdin=subprocess.DEVNULL, start_new_session=True)
         proc = AirflowProcess(name, popen, log)
         self.processes[name] = proc
+        self._groups.add(popen.pid)
         return proc
 
     def start(self, services: Iterable[str] = SERVICES, timeout: float = 120.0) -> float:
@@ -243,6 +245,7 @@ class AirflowStack:
 
     def stop(self, keep_home: bool = False) -> None:
         """End every process of the stack (children included), drop its database."""
+        self._groups.update(p.popen.pid for p in self.processes.values())
         for name in list(self.processes):
             self.stop_process(name)
         if self._created_db:
@@ -250,6 +253,19 @@ class AirflowStack:
             self._created_db = False
         if not keep_home:
             shutil.rmtree(self.home, ignore_errors=True)
+
+    def leftovers(self) -> list[int]:
+        """Pids still alive in any process group this stack started (should be none)."""
+        groups = self._groups | {p.popen.pid for p in self.processes.values()}
+        found = []
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            if int(fields[2]) in groups and fields[0] != "Z":  # field 5: process group
+                found.append(int(stat.parent.name))
+        return found
 
     def tail_logs(self, lines: int = 40) -> str:
         parts = []
