@@ -22,6 +22,7 @@ rule) so that one run prints both and their ratio. It is not implemented yet.
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -175,6 +176,7 @@ def measure(server_url: str, n: int, limit: float, log: Any = print,
         if db is not None:
             db.close()
         stack.stop()
+        shutil.rmtree(dags, ignore_errors=True)
 
 
 def seed_rows(stack: AirflowStack, n: int, lead: float, instant: str | None = None) -> dict[str, Any]:
