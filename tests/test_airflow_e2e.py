@@ -29,7 +29,7 @@ TEAMS = ("team-ml", "team-data-eng")
 QUEUES = ("default", *TEAMS)
 MAPPED = 20
 RUN_TIMEOUT = 240.0  # seconds for both DAG runs to finish
-FILE_AFTER = 15.0  # seconds the FileSensor waits, deferred, before its file appears
+FILE_AFTER = 20.0  # seconds the FileSensor waits, deferred, before its file appears
 
 SUCCEEDS, FAILS = "tf_e2e_succeeds", "tf_e2e_fails"
 # (dag_id, task_id) -> the state Airflow gives every instance of it.

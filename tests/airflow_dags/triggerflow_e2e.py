@@ -22,22 +22,27 @@ from airflow.sdk import DAG
 
 from tests.airflow_triggers import DeferToRaisingTrigger
 
-# Seconds after the run is created at which the timers fire: long enough that every task has
-# started and deferred first (the test checks it saw each one deferred), and that the
-# scheduler has seen each worker exit after deferring. Airflow 3.3.2's scheduler fails a task
-# whose trigger fired and which was queued again before that exit event was processed
-# ("task-state-changed-externally"); on a loaded 2-core machine that lag reached 5 s.
-WAIT = int(os.environ.get("TF_E2E_WAIT_SECONDS", "40"))
-LATER = WAIT // 2  # the raising trigger and the timeout: also well after the deferral
+# Each timer fires WAIT seconds after its own task started (``ti.start_date``), not after the
+# run started: on a loaded 2-core machine the last of these 45 tasks started 36 s after the
+# run. The margin must cover the task deferring (DAG parse included: up to 8 s measured) and
+# the scheduler seeing the worker exit after it deferred: Airflow 3.3.2's scheduler fails a
+# task whose trigger fired and which was queued again before that exit event was processed
+# ("task-state-changed-externally"); that lag reached 5 s here. The test checks it saw every
+# instance deferred.
+WAIT = int(os.environ.get("TF_E2E_WAIT_SECONDS", "20"))
+# TimeDeltaSensorAsync counts from the run's start (run_after) and returns at once, without
+# deferring, when that time has passed when it starts: it gets a longer delta.
+DELTA = 3 * WAIT
+LATER = WAIT  # the raising trigger and the timeout, after the deferral
 TEAMS = ("team-ml", "team-data-eng")
 MAPPED = 20
-AT = "{{ (dag_run.run_after + macros.timedelta(seconds=" + str(WAIT) + ")).isoformat() }}"
+AT = "{{ (ti.start_date + macros.timedelta(seconds=" + str(WAIT) + ")).isoformat() }}"
 
 with DAG("tf_e2e_succeeds", schedule=None, start_date=datetime(2026, 1, 1), catchup=False,
          max_active_tasks=64, default_args={"retries": 0}):
     DateTimeSensorAsync(task_id="datetime_sensor", target_time=AT)
     TimeDeltaSensorAsync(task_id="timedelta_sensor_end_from_trigger",
-                         delta=timedelta(seconds=WAIT), end_from_trigger=True)
+                         delta=timedelta(seconds=DELTA), end_from_trigger=True)
     FileSensor(task_id="file_sensor", filepath="{{ dag_run.conf['path'] }}", deferrable=True,
                poke_interval=1)
     for team in TEAMS:
