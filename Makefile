@@ -13,7 +13,7 @@ venv: $(STAMP)
 # Reinstall whenever pyproject.toml changes (new dependencies, entry points).
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || python3 -m venv $(VENV)
-	$(BIN)/pip install -e '.[dev]'
+	$(BIN)/pip install -e '.[dev,airflow]'
 	touch $@
 
 services:

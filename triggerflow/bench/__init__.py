@@ -13,7 +13,9 @@ roles (``tfbench_consumer``, ``tfbench_writer``, ``tfbench_sdk``), so ``pg_stat_
 (which has no pid) still tells them apart; the bench's own polling runs as the given user
 and is never counted.
 
-Scenarios: capacity, burst, steady, dbload, defer, failover (default: all). ``--quick``
+Scenarios: capacity, burst, steady, dbload, defer, failover (default: all). ``airflow``, on
+its own, runs the Airflow-mode bench instead (``airflow.py``: a real Airflow 3.3.2 stack;
+needs the ``triggerflow[airflow]`` extra). ``--quick``
 runs tiny sizes (a smoke test). Raw results go to ``bench-results/``; a full run also
 plots the burst latency distributions to ``docs/img/burst-latency.png``.
 
@@ -48,6 +50,10 @@ def run_bench(settings: Settings, scenarios: list[str], quick: bool) -> int:
     """Run the named scenarios (default all), print tables, save results; exit code."""
     from rich.console import Console
 
+    if scenarios == ["airflow"]:  # Airflow mode: a real Airflow stack, not the native harness
+        from triggerflow.bench.airflow import run_airflow_bench
+
+        return run_airflow_bench(settings.database_dsn(), quick)
     unknown = [s for s in scenarios if s not in SCENARIOS]
     console = Console(record=True, log_path=False,
                       width=None if sys.stdout.isatty() else 150)

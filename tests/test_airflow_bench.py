@@ -1,0 +1,68 @@
+"""The Airflow bench's rows are Airflow's: the task instances and trigger rows that
+``triggerflow.bench.airflow_seed`` writes in bulk equal, column for column, those a real
+deferral writes when Airflow's scheduler runs the same DAG (worker, task runner, execution
+API), for the same instant. Then a small burst through Airflow's own triggerer all resumes."""
+
+from __future__ import annotations
+
+import time
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+from tests.conftest import PG
+from triggerflow.bench.airflow import QUEUE, measure, seed_rows
+from triggerflow.bench.airflow_seed import DAG_ID, bench_dag
+from triggerflow.bench.airflow_stack import AirflowStack
+
+N = 3
+ROWS = """
+SELECT ti.run_id, ti.map_index, ti.state, ti.try_number, ti.next_method, ti.next_kwargs::text,
+       ti.trigger_timeout, t.classpath, t.kwargs, t.queue, t.team_name
+FROM task_instance ti JOIN trigger t ON t.id = ti.trigger_id
+WHERE ti.dag_id = %s ORDER BY ti.run_id, ti.map_index
+"""
+
+
+def test_seeded_rows_equal_a_real_airflow_deferral(tmp_path: Path) -> None:
+    import psycopg2  # type: ignore[import-untyped]
+
+    dags = tmp_path / "dags"
+    dags.mkdir()
+    (dags / "tf_bench_airflow.py").write_text(bench_dag(N, QUEUE))
+    stack = AirflowStack(PG, dags)
+    try:
+        stack.migrate()
+        stack.start()  # no triggerer: the deferred rows stay as written
+        stack.wait_for_dags([DAG_ID])
+        instant = (datetime.now(UTC) + timedelta(hours=1)).isoformat()
+        real_run = stack.trigger_dag(DAG_ID, {"instant": instant})
+        conn = psycopg2.connect(stack.database_url)
+        conn.autocommit = True
+        with conn, conn.cursor() as cur:
+            deadline = time.monotonic() + 150
+            rows: list[tuple[object, ...]] = []
+            while time.monotonic() < deadline and len(rows) < N:
+                cur.execute(ROWS, (DAG_ID,))
+                rows = cur.fetchall()
+                time.sleep(0.5)
+            assert len(rows) == N, f"the real run deferred {len(rows)} of {N}\n{stack.tail_logs()}"
+            seeded = seed_rows(stack, N, 0.0, instant)
+            cur.execute(ROWS, (DAG_ID,))
+            by_run: dict[object, list[tuple[object, ...]]] = {}
+            for row in cur.fetchall():
+                by_run.setdefault(row[0], []).append(row[1:])
+        conn.close()
+        real, bench = by_run[real_run], by_run[seeded["run_id"]]
+        assert len(bench) == N
+        assert bench == real
+        assert real[0][1] == "deferred" and real[0][8] == QUEUE  # state, trigger queue
+    finally:
+        stack.stop()
+    assert stack.leftovers() == []
+
+
+def test_airflow_triggerer_resumes_a_small_seeded_burst() -> None:
+    result = measure(PG, 20, limit=60.0, log=lambda *_: None)
+    assert result["applied"] == 20, result
+    assert result["held_at_instant"] == 20, result
+    assert 0 <= result["latency"]["p50"] <= result["all_applied_s"] < 60, result

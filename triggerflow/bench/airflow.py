@@ -1,0 +1,238 @@
+"""``triggerflow bench airflow``: N deferred DateTimeSensorAsync task instances firing at one
+instant in a real Airflow 3.3.2 metadata database; all-applied latency as in DESIGN.md (from
+the instant until every task instance is ``scheduled``; no scheduler runs).
+
+Per N: a fresh AirflowStack (metadata database, API server; no scheduler, no dag-processor),
+the bench DAG stored by ``airflow dags reserialize``, Airflow's own ``airflow triggerer`` on
+the queue started and healthy, then the N rows made by ``airflow_seed`` (Airflow's code) with
+an instant ``lead`` seconds after they exist (the native burst's rule: 2.5 s + N/2,500 s).
+Latency per task instance is Airflow's own ``scheduled_dttm`` minus the instant; a run that
+is not all ``scheduled`` within ``limit`` seconds of the instant reports how many were.
+
+Also measured: the triggerer's memory (RSS of its process tree: the job and its trigger
+runner) before the rows and at the instant, the triggers it held at the instant, and
+statements per applied event from ``pg_stat_statements`` for this database (the bench's own
+polling subtracted).
+
+PHASE 2 HOOK: ``serve_with_triggerflow`` is where triggerflow's ``writer --airflow`` and
+``consume --airflow`` take the triggerer's place on identical rows (same seed, same instant
+rule) so that one run prints both and their ratio. It is not implemented yet.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from triggerflow.bench.airflow_seed import bench_dag
+from triggerflow.bench.airflow_stack import AirflowStack
+from triggerflow.bench.common import dist
+
+QUEUE = "team-bench"
+
+
+@dataclass(frozen=True)
+class AirflowSizes:
+    counts: tuple[int, ...] = (1_000, 10_000)
+    limit: float = 300.0  # seconds after the instant before a run is cut off
+
+
+FULL = AirflowSizes()
+QUICK = AirflowSizes(counts=(100,), limit=60.0)
+
+
+def _tree_rss(pgid: int) -> int:
+    """Resident memory of every process in the group ``pgid`` (bytes)."""
+    total = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[2]) != pgid:  # field 5: process group
+                continue
+            status = (stat.parent / "status").read_text()
+        except (OSError, IndexError, ValueError):
+            continue
+        for line in status.splitlines():
+            if line.startswith("VmRSS:"):
+                total += int(line.split()[1]) * 1024
+    return total
+
+
+class _Db:
+    """The bench's one autocommit connection to the metadata database; counts its statements."""
+
+    def __init__(self, url: str) -> None:
+        import psycopg2  # type: ignore[import-untyped]
+
+        self.conn = psycopg2.connect(url)
+        self.conn.autocommit = True
+        self.own = 0
+
+    def one(self, sql: str, *args: Any) -> Any:
+        with self.conn.cursor() as cur:
+            cur.execute(sql, args)
+            self.own += 1
+            row = cur.fetchone() if cur.description else None
+        return None if row is None else row[0]
+
+    def all(self, sql: str, *args: Any) -> list[tuple[Any, ...]]:
+        with self.conn.cursor() as cur:
+            cur.execute(sql, args)
+            self.own += 1
+            return list(cur.fetchall())
+
+    def statements(self) -> int | None:
+        """Statements run in this database so far (pg_stat_statements), or None without it."""
+        try:
+            return int(self.one(
+                "SELECT coalesce(sum(calls), 0) FROM pg_stat_statements s JOIN pg_database d "
+                "ON d.oid = s.dbid WHERE d.datname = current_database()"))
+        except Exception:
+            return None
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+def serve_with_airflow_triggerer(stack: AirflowStack) -> None:
+    """The baseline: Airflow's own triggerer on the bench queue."""
+    stack.start_triggerer([QUEUE])
+
+
+def serve_with_triggerflow(stack: AirflowStack) -> None:
+    """PHASE 2 HOOK: start ``triggerflow airflow setup``, ``triggerflow writer --airflow`` and
+    ``triggerflow consume --airflow --queue team-bench`` against ``stack.database_url`` (with
+    ``stack.env`` for Airflow's config), like the e2e test's triggerflow variant."""
+    raise NotImplementedError("triggerflow's Airflow mode is phase 2")
+
+
+def measure(server_url: str, n: int, limit: float, log: Any = print,
+            serve: Any = serve_with_airflow_triggerer) -> dict[str, Any]:
+    """One burst of ``n`` on a fresh stack; returns the measurements (see the module doc)."""
+    dags = Path(tempfile.mkdtemp(prefix="tf-bench-airflow-dags-"))
+    (dags / "tf_bench_airflow.py").write_text(bench_dag(n, QUEUE))
+    stack = AirflowStack(server_url, dags)
+    db: _Db | None = None
+    try:
+        migrate_s = stack.migrate()
+        stack.start(services=("api-server",))
+        db = _Db(stack.database_url)
+        db.one("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
+        stack.run_cli("dags", "reserialize", timeout=300)
+        serve(stack)
+        time.sleep(3.0)  # let the triggerer settle before its empty RSS is read
+        pgid = stack.processes["triggerer"].popen.pid if "triggerer" in stack.processes else 0
+        rss_empty = _tree_rss(pgid) if pgid else 0
+        lead = 2.5 + n / 2500
+        log(f"airflow bench N={n:,}: migrated in {migrate_s:.1f}s; seeding")
+        seeded = seed_rows(stack, n, lead)
+        instant = datetime.fromisoformat(seeded["instant"])
+        log(f"airflow bench N={n:,}: run with {n:,} task instances made in "
+            f"{seeded['create_s']:.1f}s, deferred in {seeded['defer_s']:.1f}s; lead {lead:.1f}s")
+        before = db.statements()
+        own_before = db.own
+        while datetime.now(UTC) < instant:
+            time.sleep(0.05)
+        held = db.one("SELECT count(*) FROM trigger WHERE triggerer_id IS NOT NULL")
+        rss_at = _tree_rss(pgid) if pgid else 0
+        deadline = time.monotonic() + limit
+        waiting = n
+        while time.monotonic() < deadline:
+            stack.check_alive()
+            waiting = db.one("SELECT count(*) FROM task_instance WHERE run_id = %s AND state = 'deferred'",
+                             seeded["run_id"])
+            if waiting == 0:
+                break
+            time.sleep(0.25)
+        after = db.statements()
+        lat = [float(r[0]) for r in db.all(
+            "SELECT extract(epoch FROM scheduled_dttm - %s) FROM task_instance "
+            "WHERE run_id = %s AND state = 'scheduled'", instant, seeded["run_id"])]
+        applied = len(lat)
+        statements = None if before is None or after is None else after - before - (db.own - own_before)
+        result = {
+            "n": n, "applied": applied, "limit_s": limit, "lead_s": lead,
+            "create_s": seeded["create_s"], "defer_s": seeded["defer_s"],
+            "latency": dist(lat), "all_applied_s": max(lat) if applied == n else None,
+            "held_at_instant": held, "rss_empty": rss_empty, "rss_at_instant": rss_at,
+            "bytes_per_held_trigger": (rss_at - rss_empty) / held if held else None,
+            "statements": statements,
+            "statements_per_event": statements / applied if statements and applied else None,
+        }
+        log(f"airflow bench N={n:,}: {applied:,}/{n:,} scheduled"
+            + (f", all in {result['all_applied_s']:.1f}s" if result["all_applied_s"] else
+               f" within {limit:.0f}s")
+            + (f", p50 {result['latency']['p50']:.1f}s" if applied else ""))
+        return result
+    finally:
+        if db is not None:
+            db.close()
+        stack.stop()
+        shutil.rmtree(dags, ignore_errors=True)
+
+
+def seed_rows(stack: AirflowStack, n: int, lead: float, instant: str | None = None) -> dict[str, Any]:
+    """Run ``airflow_seed`` in the stack's environment (see its doc); returns its report."""
+    done = subprocess.run([sys.executable, "-m", "triggerflow.bench.airflow_seed", str(n),
+                           str(lead), QUEUE, *([instant] if instant else [])],
+                          env=stack.env, capture_output=True, text=True, timeout=600, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"seeding {n} rows failed:\n{done.stderr[-4000:]}")
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
+def run_airflow_bench(database_url: str, quick: bool) -> int:
+    """``triggerflow bench airflow [--quick]``: each size against Airflow's own triggerer, on
+    the PostgreSQL server of ``database_url`` (a database of its own per size); prints a table
+    and saves the raw results under bench-results/."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    from rich.console import Console
+
+    console = Console(log_path=False, width=None if sys.stdout.isatty() else 150)
+    server_url = urlunsplit(urlsplit(database_url)._replace(path="", query=""))
+    sizes = QUICK if quick else FULL
+    rows = [measure(server_url, n, sizes.limit, console.log) for n in sizes.counts]
+    console.print(table_airflow(rows))
+    out = Path("bench-results")
+    out.mkdir(exist_ok=True)
+    path = out / f"bench-airflow-{datetime.now():%Y%m%d-%H%M%S}{'-quick' if quick else ''}.json"
+    path.write_text(json.dumps({"command": "triggerflow bench airflow" + (" --quick" if quick else ""),
+                                "sizes": sizes.__dict__, "queue": QUEUE,
+                                "airflow_triggerer": rows}, indent=1, default=str))
+    console.print(f"raw results: {path}")
+    return 0 if all(r["applied"] == r["n"] for r in rows) else 1
+
+
+def table_airflow(rows: list[dict[str, Any]]) -> Any:
+    from rich.table import Table
+
+    from triggerflow.bench.common import ms, num
+
+    t = Table(title="Airflow 3.3.2's own `airflow triggerer`: N DateTimeSensorAsync firing at "
+              "one instant (no scheduler)")
+    for col in ("N", "scheduled", "p50", "p99", "all applied", "held at instant",
+                "RSS empty", "per held trigger", "statements/event"):
+        t.add_column(col, justify="right")
+    for r in rows:
+        lat = r["latency"]
+        t.add_row(num(r["n"]), f"{num(r['applied'])} in {r['limit_s']:.0f} s", ms(lat["p50"]),
+                  ms(lat["p99"]), ms(r["all_applied_s"]), num(r["held_at_instant"]),
+                  f"{r['rss_empty'] / 2**20:.0f} MiB",
+                  "-" if r["bytes_per_held_trigger"] is None
+                  else f"{r['bytes_per_held_trigger'] / 1024:.1f} KB",
+                  num(r["statements_per_event"], 1))
+    t.caption = ("Latency = Airflow's scheduled_dttm - the instant; the instant is 2.5 s + N/2,500 s "
+                 "after the task instances exist, deferral included (the native burst's rule). "
+                 "RSS = the triggerer's process tree. Statements from pg_stat_statements "
+                 "(\"-\" when PostgreSQL does not preload it).")
+    return t
