@@ -292,3 +292,6 @@ def cancel(trigger_ids: tuple[int, ...], state: str, **values: Any) -> None:
 from triggerflow import cliops as _cliops  # noqa: E402 - admin commands register on main
 
 _cliops.register(main, settings_options, build_settings, CONNECTION)
+from triggerflow.airflow.cli import airflow_group as _airflow_group  # noqa: E402
+
+main.add_command(_airflow_group)
