@@ -15,7 +15,7 @@ SCHEMA_VERSION = 1
 # Airflow release -> head of its alembic migrations (``alembic_version.version_num``).
 # The SQL in this package was checked against these; anything else is refused.
 KNOWN_AIRFLOW_REVISIONS: dict[str, str] = {
-    "3.3.2": "REPLACED_AT_INSTALL",
+    "3.3": "d2f4e1b3c5a7",  # heads of 3.3.0 .. 3.3.2 (airflow.utils.db._REVISION_HEADS_MAP)
 }
 
 # Ids per notification: a NOTIFY payload must stay under 8,000 bytes.

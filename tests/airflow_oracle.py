@@ -1,0 +1,61 @@
+"""Airflow's own event functions, applied in a process configured for one database.
+
+``python -m tests.airflow_oracle '{"task": trigger_id, ...}'`` applies ``events_by_task()``
+to those triggers with ``Trigger.submit_event`` / ``submit_failure`` (one session per event,
+as Airflow's triggerer does), then ``Trigger.clean_unused``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+import pendulum
+
+
+def _boom() -> BaseException:
+    try:
+        raise RuntimeError("the trigger broke")
+    except RuntimeError as exc:
+        return exc
+
+
+def events_by_task() -> dict[str, Any]:
+    """One event of every kind, keyed by the task that receives it."""
+    from airflow.triggers.base import (
+        TaskFailedEvent,
+        TaskSkippedEvent,
+        TaskSuccessEvent,
+        TriggerEvent,
+    )
+
+    moment = pendulum.datetime(2026, 11, 30, 12, 0, 0, 123456, tz="UTC")
+    return {
+        "resume": TriggerEvent(moment),
+        "resume_dict": TriggerEvent({"status": "ok", "at": moment, "n": [1, 2.5, None]}),
+        "resume_kwargs": TriggerEvent("plain"),
+        "fail": _boom(),
+        "success_xcom": TaskSuccessEvent(xcoms={"return_value": {"rows": 3}, "extra": "x"}),
+        "success": TaskSuccessEvent(),
+        "failed": TaskFailedEvent(xcoms={"why": [1, 2]}),
+        "skipped": TaskSkippedEvent(),
+    }
+
+
+def main(tasks: dict[str, int]) -> None:
+    from airflow.models.trigger import Trigger
+    from airflow.utils.session import create_session
+
+    for name, event in events_by_task().items():
+        with create_session() as session:
+            if isinstance(event, BaseException):
+                Trigger.submit_failure(tasks[name], event, session=session)
+            else:
+                Trigger.submit_event(tasks[name], event, session=session)
+    with create_session() as session:
+        Trigger.clean_unused(session=session)
+
+
+if __name__ == "__main__":
+    main(json.loads(sys.argv[1]))

@@ -1,0 +1,128 @@
+"""Apply fired triggers' events to Airflow's rows with Airflow's semantics, set-based.
+
+Each statement here does for a whole batch what Airflow does for one event at a time:
+
+* ``resume``  — ``Trigger.submit_event`` / ``handle_event_submit``: ``next_kwargs`` gains
+  ``"event"`` (the payload, already Airflow-serde'd by the consumer), state ``scheduled``,
+  ``scheduled_dttm`` stamped, ``trigger_id`` cleared;
+* ``fail``    — ``Trigger.submit_failure``: ``next_method = '__fail__'``, ``next_kwargs =
+  {"error": "Trigger failure", "traceback": [...]}``, state ``scheduled``;
+* ``success`` / ``failed`` / ``skipped`` — the task-end events: ``TaskInstance.set_state``
+  (start/end dates, duration) and their XComs replaced as ``XComModel.set`` does.
+
+Fencing: only a task instance still ``deferred`` on that trigger moves, and only for the
+attempt triggerflow's bookkeeping says holds the trigger, so redelivered, duplicate or stale
+events change nothing. Afterwards ``CLEAN_UNUSED`` deletes the trigger rows nothing uses any
+more, as ``Trigger.clean_unused`` would (Airflow's triggerer runs that; without it nobody
+does). Dates are the database's ``now()``: one instant per batch.
+
+No Airflow import: the writer needs only PostgreSQL.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import asyncpg
+
+from triggerflow.airflow.schema import SCHEMA
+
+TASK_END_KINDS = ("success", "failed", "skipped")
+
+
+@dataclass(frozen=True, slots=True)
+class AirflowEvent:
+    """One fired trigger, as the writer receives it.
+
+    ``body`` is JSON text: for ``resume`` the serde form of the payload, for ``fail`` the whole
+    ``next_kwargs``, for task-end kinds ``{"xcoms": {key: serialized value}}`` or ``null``.
+    """
+
+    trigger_id: int
+    attempt: int
+    kind: str
+    body: str
+
+
+APPLY = f"""
+WITH event AS (
+    SELECT * FROM unnest($1::int[], $2::int[], $3::text[], $4::text[])
+        AS e(trigger_id, attempt, kind, body)
+), live AS (
+    SELECT event.trigger_id, event.kind, event.body::jsonb AS body
+    FROM event
+    JOIN {SCHEMA}.trigger_state s ON s.trigger_id = event.trigger_id AND s.attempt = event.attempt
+), moved AS (
+    UPDATE task_instance ti SET
+        state = CASE WHEN live.kind IN ('resume', 'fail') THEN 'scheduled' ELSE live.kind END,
+        next_method = CASE WHEN live.kind = 'fail' THEN '__fail__' ELSE ti.next_method END,
+        next_kwargs = CASE live.kind
+            WHEN 'resume' THEN coalesce(ti.next_kwargs, '{{}}'::jsonb)
+                               || jsonb_build_object('event', live.body)
+            WHEN 'fail' THEN live.body
+            ELSE ti.next_kwargs END,
+        scheduled_dttm = CASE WHEN live.kind IN ('resume', 'fail') THEN now()
+                              ELSE ti.scheduled_dttm END,
+        start_date = CASE WHEN live.kind IN ('resume', 'fail') THEN ti.start_date
+                          ELSE coalesce(ti.start_date, now()) END,
+        end_date = CASE WHEN live.kind IN ('resume', 'fail') THEN ti.end_date
+                        ELSE coalesce(ti.end_date, now()) END,
+        duration = CASE WHEN live.kind IN ('resume', 'fail') THEN ti.duration
+                        ELSE extract(epoch FROM coalesce(ti.end_date, now())
+                                              - coalesce(ti.start_date, now()))::float8 END,
+        trigger_id = NULL,
+        updated_at = now()
+    FROM live
+    WHERE ti.trigger_id = live.trigger_id AND ti.state = 'deferred'
+    RETURNING ti.dag_id, ti.task_id, ti.run_id, ti.map_index, live.trigger_id, live.kind, live.body
+), detached AS (
+    -- Trigger.clean_unused's first step, for this batch's triggers: a task no longer
+    -- deferred (cleared, marked by hand) lets go of its trigger.
+    UPDATE task_instance ti SET trigger_id = NULL, updated_at = now()
+    FROM event
+    WHERE ti.trigger_id = event.trigger_id AND ti.state <> 'deferred'
+), pushed AS (
+    INSERT INTO xcom (dag_run_id, task_id, map_index, key, dag_id, run_id, value, "timestamp",
+                      dag_result)
+    SELECT dr.id, moved.task_id, moved.map_index, x.key, moved.dag_id, moved.run_id, x.value,
+           now(), false
+    FROM moved
+    JOIN dag_run dr ON dr.dag_id = moved.dag_id AND dr.run_id = moved.run_id
+    CROSS JOIN LATERAL jsonb_each(moved.body -> 'xcoms') AS x(key, value)
+    WHERE moved.kind IN {TASK_END_KINDS!r} AND jsonb_typeof(moved.body -> 'xcoms') = 'object'
+    ON CONFLICT (dag_run_id, task_id, map_index, key)
+        DO UPDATE SET value = EXCLUDED.value, "timestamp" = EXCLUDED."timestamp",
+                      dag_result = EXCLUDED.dag_result
+)
+SELECT trigger_id FROM moved
+"""
+
+# Trigger.clean_unused for the triggers of a batch: rows no task instance, asset watcher or
+# callback refers to. (task_instance.trigger_id cascades on delete, so the NOT EXISTS is what
+# keeps a still-deferred task alive.) triggerflow's bookkeeping for them goes too.
+CLEAN_UNUSED = f"""
+WITH gone AS (
+    DELETE FROM "trigger" t
+    WHERE t.id = ANY($1::int[])
+      AND NOT EXISTS (SELECT 1 FROM task_instance ti WHERE ti.trigger_id = t.id)
+      AND NOT EXISTS (SELECT 1 FROM asset_watcher aw WHERE aw.trigger_id = t.id)
+      AND NOT EXISTS (SELECT 1 FROM callback cb WHERE cb.trigger_id = t.id)
+    RETURNING t.id
+)
+DELETE FROM {SCHEMA}.trigger_state s USING gone WHERE s.trigger_id = gone.id
+"""
+
+
+async def apply_events(conn: asyncpg.Connection, events: Sequence[AirflowEvent]) -> list[int]:
+    """Apply a batch in one transaction (two statements); returns the trigger ids that moved."""
+    if not events:
+        return []
+    async with conn.transaction():
+        rows = await conn.fetch(
+            APPLY,
+            [e.trigger_id for e in events], [e.attempt for e in events],
+            [e.kind for e in events], [e.body for e in events],
+        )
+        await conn.execute(CLEAN_UNUSED, sorted({e.trigger_id for e in events}))
+    return [int(r["trigger_id"]) for r in rows]
