@@ -13,6 +13,8 @@ class UnknownAirflowSchema(RuntimeError):
 
 async def airflow_revision(conn: asyncpg.Connection) -> str | None:
     """The alembic revision of Airflow's schema, or None when there is no Airflow schema."""
+    if await conn.fetchval("SELECT to_regclass('dag_run') IS NULL"):
+        return None  # e.g. triggerflow's native schema: it has its own alembic_version
     try:
         value = await conn.fetchval(schema.AIRFLOW_REVISION)
     except asyncpg.UndefinedTableError:
@@ -26,7 +28,8 @@ async def check_airflow_schema(conn: asyncpg.Connection) -> str:
     known = {rev: release for release, rev in schema.KNOWN_AIRFLOW_REVISIONS.items()}
     if revision is None:
         raise UnknownAirflowSchema(
-            "no Airflow schema here (no alembic_version table): run `airflow db migrate` first")
+            "no Airflow schema in this database (no dag_run or alembic_version table): "
+            "point --database-url at Airflow's metadata database, after `airflow db migrate`")
     if revision not in known:
         supported = ", ".join(f"{release} ({rev})"
                               for release, rev in schema.KNOWN_AIRFLOW_REVISIONS.items())
