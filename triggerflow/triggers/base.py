@@ -97,8 +97,11 @@ class TimerTrigger(BaseTrigger):
 
     The consumer keeps such triggers on one timer heap instead of a coroutine each (a few
     hundred bytes per waiting trigger instead of a few KB), and never calls ``run()``; the
-    event it emits is ``TriggerEvent(timer_payload(deadline))``.
+    event it emits is ``TriggerEvent(timer_payload(deadline))`` — or, for a subclass whose
+    ``timer_kind`` is a task-end kind, that task-end event with ``timer_payload`` as its XComs.
     """
+
+    timer_kind: ClassVar[EventKind] = EventKind.RESUME
 
     @abc.abstractmethod
     def deadline(self) -> float:
