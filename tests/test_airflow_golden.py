@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from typing import Any
 
 import asyncpg
@@ -56,7 +57,9 @@ def _comparable(row: dict[str, Any], since: datetime.datetime) -> dict[str, Any]
         if key in CLOCK_COLUMNS and isinstance(value, datetime.datetime) and value >= since:
             value = "<recent>"
         elif key == "duration" and value is not None:
-            value = round(value)  # end_date - start_date, each side's own clock
+            # each side's own end_date - start_date (set_state's formula)
+            spent = (row["end_date"] - row["start_date"]).total_seconds()
+            value = "<end - start>" if abs(value - spent) < 0.001 else value
         out[key] = value
     return out
 
@@ -103,9 +106,10 @@ async def test_writer_writes_the_rows_airflow_writes(airflow_db: str) -> None:
                     kind, body = "fail", failure_body(event)
                 else:
                     kind, body = encode_event(event)
-                batch.append(AirflowEvent(tasks[name], 1, kind, body))
-            batch.append(AirflowEvent(bystander.trigger_id, 1, "resume", '"late"'))
-            moved = await apply_events(conn, batch)
+                batch.append(AirflowEvent(tasks[name], 1, "team-a", kind, body, time.time()))
+            batch.append(AirflowEvent(bystander.trigger_id, 1, "default", "resume", '"late"',
+                                      time.time()))
+            moved = [r["trigger_id"] for r in await apply_events(conn, batch, "default")]
         finally:
             await conn.close()
         assert sorted(moved) == sorted(tasks.values())

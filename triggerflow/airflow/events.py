@@ -41,18 +41,25 @@ class AirflowEvent:
 
     trigger_id: int
     attempt: int
+    queue: str
     kind: str
     body: str
+    fired_at: float
 
 
 APPLY = f"""
 WITH event AS (
-    SELECT * FROM unnest($1::int[], $2::int[], $3::text[], $4::text[])
-        AS e(trigger_id, attempt, kind, body)
-), live AS (
-    SELECT event.trigger_id, event.kind, event.body::jsonb AS body
+    SELECT * FROM unnest($1::int[], $2::int[], $3::text[], $4::text[], $5::text[], $6::float8[])
+        AS e(trigger_id, attempt, queue, kind, body, fired_at)
+), live AS MATERIALIZED (
+    -- fenced by attempt and by the trigger's own queue (rows with no queue belong to the
+    -- default queue $7); locked in id order so concurrent writers never deadlock
+    SELECT event.trigger_id, event.queue, event.kind, event.body::jsonb AS body, event.fired_at
     FROM event
     JOIN {SCHEMA}.trigger_state s ON s.trigger_id = event.trigger_id AND s.attempt = event.attempt
+    JOIN "trigger" t ON t.id = event.trigger_id AND coalesce(t.queue, $7) = event.queue
+    ORDER BY s.trigger_id
+    FOR UPDATE OF s
 ), moved AS (
     UPDATE task_instance ti SET
         state = CASE WHEN live.kind IN ('resume', 'fail') THEN 'scheduled' ELSE live.kind END,
@@ -75,7 +82,8 @@ WITH event AS (
         updated_at = now()
     FROM live
     WHERE ti.trigger_id = live.trigger_id AND ti.state = 'deferred'
-    RETURNING ti.dag_id, ti.task_id, ti.run_id, ti.map_index, live.trigger_id, live.kind, live.body
+    RETURNING ti.dag_id, ti.task_id, ti.run_id, ti.map_index, live.trigger_id, live.queue,
+              live.kind, live.body, extract(epoch FROM clock_timestamp()) - live.fired_at AS latency
 ), detached AS (
     -- Trigger.clean_unused's first step, for this batch's triggers: a task no longer
     -- deferred (cleared, marked by hand) lets go of its trigger.
@@ -95,7 +103,7 @@ WITH event AS (
         DO UPDATE SET value = EXCLUDED.value, "timestamp" = EXCLUDED."timestamp",
                       dag_result = EXCLUDED.dag_result
 )
-SELECT trigger_id FROM moved
+SELECT trigger_id, queue, kind, latency FROM moved
 """
 
 # Trigger.clean_unused for the triggers of a batch: rows no task instance, asset watcher or
@@ -114,15 +122,18 @@ DELETE FROM {SCHEMA}.trigger_state s USING gone WHERE s.trigger_id = gone.id
 """
 
 
-async def apply_events(conn: asyncpg.Connection, events: Sequence[AirflowEvent]) -> list[int]:
-    """Apply a batch in one transaction (two statements); returns the trigger ids that moved."""
+async def apply_events(conn: asyncpg.Connection, events: Sequence[AirflowEvent],
+                       default_queue: str | None = None) -> list[asyncpg.Record]:
+    """Apply a batch in one transaction (two statements); returns a row per task that moved
+    (``trigger_id``, ``queue``, ``kind``, ``latency`` seconds from fire to apply)."""
     if not events:
         return []
     async with conn.transaction():
-        rows = await conn.fetch(
+        rows: list[asyncpg.Record] = await conn.fetch(
             APPLY,
             [e.trigger_id for e in events], [e.attempt for e in events],
-            [e.kind for e in events], [e.body for e in events],
+            [e.queue for e in events], [e.kind for e in events], [e.body for e in events],
+            [e.fired_at for e in events], default_queue,
         )
         await conn.execute(CLEAN_UNUSED, sorted({e.trigger_id for e in events}))
-    return [int(r["trigger_id"]) for r in rows]
+    return rows

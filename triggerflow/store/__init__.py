@@ -1,0 +1,43 @@
+"""The durable record behind the loops: the :class:`Store` interface and its result types.
+
+Implementations: ``triggerflow.store.postgres`` (native mode, PostgreSQL) and
+``triggerflow.store.memory`` (in-process, for tests). Importing this package imports no driver.
+"""
+
+from triggerflow.store.interface import (
+    Applied,
+    Cancelled,
+    ClaimResult,
+    EventRefused,
+    FreedTrigger,
+    KwargsError,
+    KwargsProblem,
+    NewDeferral,
+    ProcessKind,
+    Reaped,
+    Renewal,
+    Store,
+    StoreError,
+    StoreUnavailable,
+    TriggerRef,
+    TriggerSpec,
+)
+
+__all__ = [
+    "Applied",
+    "Cancelled",
+    "ClaimResult",
+    "EventRefused",
+    "FreedTrigger",
+    "KwargsError",
+    "KwargsProblem",
+    "NewDeferral",
+    "ProcessKind",
+    "Reaped",
+    "Renewal",
+    "Store",
+    "StoreError",
+    "StoreUnavailable",
+    "TriggerRef",
+    "TriggerSpec",
+]
