@@ -41,6 +41,7 @@ CREATE TABLE IF NOT EXISTS {SCHEMA}.consumer (
     capacity integer NOT NULL DEFAULT 0,
     version text NOT NULL DEFAULT '',
     running integer NOT NULL DEFAULT 0,
+    probation bigint[] NOT NULL DEFAULT '{{}}',
     registered_at timestamptz NOT NULL DEFAULT now(),
     renewed_at timestamptz NOT NULL DEFAULT now(),
     expires_at timestamptz NOT NULL
@@ -61,6 +62,8 @@ CREATE TABLE IF NOT EXISTS {SCHEMA}.trigger_state (
 );
 CREATE INDEX IF NOT EXISTS trigger_state_owner ON {SCHEMA}.trigger_state (owner_id)
     WHERE owner_id IS NOT NULL;
+CREATE INDEX IF NOT EXISTS trigger_state_unowned ON {SCHEMA}.trigger_state (published_at)
+    WHERE owner_id IS NULL AND quarantined_at IS NULL;
 
 CREATE OR REPLACE FUNCTION {SCHEMA}.notify_trigger_insert() RETURNS trigger
 LANGUAGE plpgsql AS $$
