@@ -12,7 +12,11 @@ import pendulum
 import pytest
 
 from tests.airflow_support import (
-    add_dag_run, add_deferred_task, airflow_db, airflow_template, dsn_of,
+    add_dag_run,
+    add_deferred_task,
+    airflow_db,
+    airflow_template,
+    dsn_of,
 )
 from triggerflow.airflow import setup as airflow_setup
 from triggerflow.airflow import wakeups

@@ -60,8 +60,9 @@ WITH candidate AS (
     LEFT JOIN {SCHEMA}.trigger_state s ON s.trigger_id = t.id
     WHERE t.id = ANY($2::int[]) AND coalesce(t.queue, $4) = ANY($3::text[])
       AND s.quarantined_at IS NULL
+      -- coalesce(): found by ti_trigger_id, never by the ti_state index (see events.APPLY)
       AND EXISTS (SELECT 1 FROM task_instance ti
-                  WHERE ti.trigger_id = t.id AND ti.state = 'deferred')
+                  WHERE ti.trigger_id = t.id AND coalesce(ti.state, '') = 'deferred')
 ), claimed AS (
     INSERT INTO {SCHEMA}.trigger_state AS s (trigger_id, owner_id, attempt, claimed_at)
     SELECT id, $1, 1, now() FROM candidate WHERE failures < 2 AND NOT refused ORDER BY id
@@ -75,7 +76,7 @@ WITH candidate AS (
 )
 SELECT {_SPEC}, 'claimed' AS outcome
 FROM claimed c JOIN "trigger" t ON t.id = c.trigger_id
-LEFT JOIN task_instance ti ON ti.trigger_id = t.id AND ti.state = 'deferred'
+LEFT JOIN task_instance ti ON ti.trigger_id = t.id AND coalesce(ti.state, '') = 'deferred'
 UNION ALL
 SELECT id, 0, '', '', queue, NULL, 'suspect' FROM candidate WHERE failures >= 2 AND NOT refused
 UNION ALL
