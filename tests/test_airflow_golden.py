@@ -40,7 +40,16 @@ __all__ = ["airflow_db", "airflow_template"]
 
 DATETIME_TRIGGER = "airflow.providers.standard.triggers.temporal.DateTimeTrigger"
 # Instants each side reads from its own clock: equal nullness, both recent.
-CLOCK_COLUMNS = {"scheduled_dttm", "updated_at", "end_date", "start_date", "timestamp"}
+CALLBACKS = """
+SELECT type, fetch_method, bundle_name, state, output, priority_weight, created_at, trigger_id,
+       data #>> '{__var,req_class}' AS req_class, data ->> '__type' AS type_tag,
+       (data #>> '{__var,req_data}')::jsonb AS request,
+       substring(id::text FROM 15 FOR 1) AS uuid_version
+FROM callback
+ORDER BY (data #>> '{__var,req_data}')::jsonb #>> '{ti,task_id}'
+"""
+CLOCK_COLUMNS = {"scheduled_dttm", "updated_at", "end_date", "start_date", "timestamp",
+                 "created_at"}
 
 
 async def _rows(dsn: str, sql: str) -> list[dict[str, Any]]:
@@ -115,11 +124,17 @@ async def test_writer_writes_the_rows_airflow_writes(airflow_db: str) -> None:
         assert sorted(moved) == sorted(tasks.values())
 
         for table, order in (("task_instance", "task_id"), ("xcom", "task_id, key"),
-                             ("trigger", "id")):
+                             ("trigger", "id"), ("callback", "data")):
             sql = f'SELECT * FROM "{table}" ORDER BY {order}'
+            if table == "callback":  # random ids; the request compared as the JSON it is
+                sql = CALLBACKS
             theirs = [_comparable(r, since) for r in await _rows(dsn_of(airflow_db), sql)]
             mine = [_comparable(r, since) for r in await _rows(dsn_of(ours), sql)]
             assert len(mine) == len(theirs), table
+            if table == "callback":  # success_xcom, success, failed
+                assert [r["request"]["ti"]["task_id"] for r in mine] == [
+                    "failed", "success", "success_xcom"]
+                assert {r["uuid_version"] for r in mine} == {"7"}
             for m, t in zip(mine, theirs, strict=True):
                 differ = {k: (m[k], t.get(k)) for k in m if m[k] != t.get(k)}
                 assert not differ, (table, m.get("task_id", m.get("id")), differ)

@@ -8,7 +8,10 @@ Each statement here does for a whole batch what Airflow does for one event at a 
 * ``fail``    — ``Trigger.submit_failure``: ``next_method = '__fail__'``, ``next_kwargs =
   {"error": "Trigger failure", "traceback": [...]}``, state ``scheduled``;
 * ``success`` / ``failed`` / ``skipped`` — the task-end events: ``TaskInstance.set_state``
-  (start/end dates, duration) and their XComs replaced as ``XComModel.set`` does.
+  (start/end dates, duration), their XComs replaced as ``XComModel.set`` does, and for
+  success/failed the ``TaskCallbackRequest`` row the DAG processor runs callbacks from.
+  Not matched yet: a ``TaskFailedEvent`` for a task with retries left, which Airflow 3.3.2
+  routes to ``up_for_retry`` after loading the serialized DAG; here it fails terminally.
 
 Fencing: only a task instance still ``deferred`` on that trigger moves, and only for the
 attempt triggerflow's bookkeeping says holds the trigger, so redelivered, duplicate or stale
@@ -29,6 +32,16 @@ import asyncpg
 from triggerflow.airflow.schema import SCHEMA
 
 TASK_END_KINDS = ("success", "failed", "skipped")
+
+# A version-7 UUID (time-ordered, as Airflow's uuid7() ids): PostgreSQL 15 has no uuidv7().
+UUID7 = """encode(set_bit(set_bit(overlay(uuid_send(gen_random_uuid()) PLACING
+    substring(int8send((extract(epoch FROM clock_timestamp()) * 1000)::bigint) FROM 3)
+    FROM 1 FOR 6), 52, 1), 53, 1), 'hex')::uuid"""
+
+
+def _json(column: str) -> str:
+    """SQL for a column as JSON text, ``null`` for NULL (as pydantic writes None)."""
+    return f"coalesce(to_json({column})::text, 'null')"
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,13 +98,43 @@ WITH event AS (
     -- right after a mass deferral) it guesses one deferred row, scans that index as the
     -- outer side and rescans the batch for each of 10,000 rows (seconds -> a minute).
     WHERE ti.trigger_id = live.trigger_id AND coalesce(ti.state, '') = 'deferred'
-    RETURNING ti.dag_id, ti.task_id, ti.run_id, ti.map_index, live.trigger_id, live.queue,
+    RETURNING ti.id, ti.dag_id, ti.task_id, ti.run_id, ti.map_index, ti.try_number,
+              ti.dag_version_id, ti.hostname, ti.context_carrier, ti.queue AS ti_queue,
+              live.trigger_id, live.queue,
               live.kind, live.body, extract(epoch FROM clock_timestamp()) - live.fired_at AS latency
 ), detached AS (
     -- Trigger.clean_unused's first step, for this batch's triggers: a task no longer
     -- deferred (cleared, marked by hand) lets go of its trigger.
     UPDATE task_instance ti SET trigger_id = NULL, updated_at = now()
     WHERE ti.trigger_id = ANY($1::int[]) AND ti.state <> 'deferred'
+), called_back AS (
+    -- The TaskCallbackRequest Airflow's DatabaseCallbackSink stores for a task ended by its
+    -- trigger as success or failed: BaseSerialization's dict wrapping a pydantic JSON text.
+    INSERT INTO callback (id, type, fetch_method, data, bundle_name, priority_weight, created_at)
+    SELECT {UUID7}, 'dag_processor', 'dag_attribute',
+           jsonb_build_object('__type', 'dict', '__var', jsonb_build_object(
+               'req_class', 'TaskCallbackRequest',
+               'req_data', concat(
+                   '{{"filepath":', {_json("d.relative_fileloc")},
+                   ',"bundle_name":', {_json("d.bundle_name")},
+                   ',"bundle_version":', {_json("dr.bundle_version")},
+                   ',"msg":null,"ti":{{"id":', {_json("moved.id")},
+                   ',"task_id":', {_json("moved.task_id")},
+                   ',"dag_id":', {_json("moved.dag_id")},
+                   ',"run_id":', {_json("moved.run_id")},
+                   ',"try_number":', {_json("moved.try_number")},
+                   ',"dag_version_id":', {_json("moved.dag_version_id")},
+                   ',"map_index":', {_json("moved.map_index")},
+                   ',"hostname":', {_json("moved.hostname")},
+                   ',"context_carrier":', {_json("moved.context_carrier")},
+                   ',"queue":', {_json("moved.ti_queue")},
+                   '}},"task_callback_type":', to_json(moved.kind),
+                   ',"context_from_server":null,"type":"TaskCallbackRequest"}}'))),
+           d.bundle_name, 1, now()
+    FROM moved
+    JOIN dag d ON d.dag_id = moved.dag_id
+    JOIN dag_run dr ON dr.dag_id = moved.dag_id AND dr.run_id = moved.run_id
+    WHERE moved.kind IN ('success', 'failed')
 ), pushed AS (
     INSERT INTO xcom (dag_run_id, task_id, map_index, key, dag_id, run_id, value, "timestamp",
                       dag_result)
