@@ -132,7 +132,7 @@ async def test_writer_writes_the_rows_airflow_writes(airflow_db: str) -> None:
             mine = [_comparable(r, since) for r in await _rows(dsn_of(ours), sql)]
             assert len(mine) == len(theirs), table
             if table == "callback":  # success_xcom, success, failed
-                assert [r["request"]["ti"]["task_id"] for r in mine] == [
+                assert [json.loads(r["request"])["ti"]["task_id"] for r in mine] == [
                     "failed", "success", "success_xcom"]
                 assert {r["uuid_version"] for r in mine} == {"7"}
             for m, t in zip(mine, theirs, strict=True):
