@@ -155,9 +155,22 @@ async def test_airflow_jobs_check_sees_the_heartbeat(airflow_db: str) -> None:
         # A writer killed outright leaves its row 'running': the stale heartbeat is what
         # tells Airflow the triggerer is gone.
         async with pool.acquire() as conn:
-            await heartbeat.start_job(conn)
-        assert (await asyncio.to_thread(jobs_check, airflow_db, 3.0)).returncode == 0
+            job_id = await heartbeat.start_job(conn)
+
+        async def beat_forever() -> None:
+            while True:
+                async with pool.acquire() as conn:
+                    await heartbeat.beat(conn, job_id)
+                await asyncio.sleep(0.5)
+
+        beating = asyncio.create_task(beat_forever())
+        try:
+            assert (await asyncio.to_thread(jobs_check, airflow_db, 3.0)).returncode == 0
+        finally:
+            beating.cancel()  # killed: no stop_job
         await asyncio.sleep(3.5)
+        async with pool.acquire() as conn:
+            assert await conn.fetchval("SELECT state FROM job WHERE id = $1", job_id) == "running"
         assert (await asyncio.to_thread(jobs_check, airflow_db, 3.0)).returncode != 0
     finally:
         await pool.close()
