@@ -39,6 +39,8 @@ def events_by_task() -> dict[str, Any]:
         "success_xcom": TaskSuccessEvent(xcoms={"return_value": {"rows": 3}, "extra": "x"}),
         "success": TaskSuccessEvent(),
         "failed": TaskFailedEvent(xcoms={"why": [1, 2]}),
+        # may retry (try 1 of max_tries 1): Airflow's handler decides, with the DAG it finds
+        "failed_retry": TaskFailedEvent(xcoms={"why": "again"}),
         "skipped": TaskSkippedEvent(),
     }
 
@@ -57,5 +59,18 @@ def main(tasks: dict[str, int]) -> None:
         Trigger.clean_unused(session=session)
 
 
+def apply_with_triggerflow_orm(dsn: str, events_json: str) -> None:
+    """triggerflow's ORM path (orm.apply_with_airflow), in a process configured for ``dsn``."""
+    from triggerflow.airflow.events import AirflowEvent
+    from triggerflow.airflow.orm import apply_with_airflow
+
+    events = [AirflowEvent(**e) for e in json.loads(events_json)]
+    moved = apply_with_airflow(dsn, events, "default")
+    print(json.dumps([e.trigger_id for e in moved]))
+
+
 if __name__ == "__main__":
-    main(json.loads(sys.argv[1]))
+    if sys.argv[1] == "--triggerflow-orm":
+        apply_with_triggerflow_orm(sys.argv[2], sys.argv[3])
+    else:
+        main(json.loads(sys.argv[1]))

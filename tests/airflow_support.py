@@ -111,7 +111,8 @@ async def add_dag_run(conn: asyncpg.Connection) -> None:
 
 async def add_deferred_task(conn: asyncpg.Connection, task_id: str, classpath: str,
                             encrypted_kwargs: str, *, queue: str | None = None,
-                            next_kwargs: Any = None, map_index: int = -1) -> DeferredTask:
+                            next_kwargs: Any = None, map_index: int = -1,
+                            max_tries: int = 0) -> DeferredTask:
     """A task instance deferred on a new trigger row, as Airflow's API server writes them."""
     trigger_id = await conn.fetchval(
         """INSERT INTO "trigger" (classpath, kwargs, created_date, queue)
@@ -121,9 +122,9 @@ async def add_deferred_task(conn: asyncpg.Connection, task_id: str, classpath: s
                                       max_tries, pool, pool_slots, queue, priority_weight,
                                       operator, state, trigger_id, next_method, next_kwargs,
                                       start_date, updated_at, dag_version_id)
-           VALUES ($1, $2, $3, $4, $5, 1, 0, 'default_pool', 1, coalesce($6, 'default'), 1,
+           VALUES ($1, $2, $3, $4, $5, 1, $10, 'default_pool', 1, coalesce($6, 'default'), 1,
                    'DateTimeSensorAsync', 'deferred', $7, 'execute_complete', $8::jsonb,
                    now() - interval '1 minute', now(), $9)""",
         uuid.uuid4(), task_id, DAG_ID, RUN_ID, map_index, queue, trigger_id,
-        None if next_kwargs is None else json.dumps(next_kwargs), DAG_VERSION_ID)
+        None if next_kwargs is None else json.dumps(next_kwargs), DAG_VERSION_ID, max_tries)
     return DeferredTask(task_id, int(trigger_id), map_index)

@@ -9,6 +9,7 @@ by ``triggerflow.airflow.events.apply_events`` in one batch. Every row of ``task
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import os
@@ -33,7 +34,7 @@ from tests.airflow_support import (
 from tests.conftest import admin_sql, drop_database_sql
 from triggerflow.airflow import setup as airflow_setup
 from triggerflow.airflow.codec import encode_event, failure_body
-from triggerflow.airflow.events import AirflowEvent, apply_events
+from triggerflow.airflow.events import AirflowEvent, apply_events, needs_airflow
 from triggerflow.airflow.kwargs import encrypt_kwargs
 
 __all__ = ["airflow_db", "airflow_template"]
@@ -91,7 +92,8 @@ async def test_writer_writes_the_rows_airflow_writes(airflow_db: str) -> None:
         for name in events:
             previous = {"carried": 7} if name == "resume_kwargs" else None
             task = await add_deferred_task(conn, name, DATETIME_TRIGGER, kwargs,
-                                           queue="team-a", next_kwargs=previous)
+                                           queue="team-a", next_kwargs=previous,
+                                           max_tries=1 if name == "failed_retry" else 0)
             tasks[name] = task.trigger_id
         # A task no longer deferred (cleared by hand): its trigger's event must change nothing.
         bystander = await add_deferred_task(conn, "cleared", DATETIME_TRIGGER, kwargs)
@@ -121,6 +123,14 @@ async def test_writer_writes_the_rows_airflow_writes(airflow_db: str) -> None:
             moved = [r["trigger_id"] for r in await apply_events(conn, batch, "default")]
         finally:
             await conn.close()
+        rest = needs_airflow(batch, set(moved))
+        assert [e.trigger_id for e in rest] == [tasks["failed_retry"]]
+        done = subprocess.run(
+            [sys.executable, "-m", "tests.airflow_oracle", "--triggerflow-orm", dsn_of(ours),
+             json.dumps([dataclasses.asdict(e) for e in rest])],
+            check=True, capture_output=True, text=True, env={**os.environ, **airflow_env(ours)},
+            timeout=120)
+        moved += json.loads(done.stdout.strip().splitlines()[-1])
         assert sorted(moved) == sorted(tasks.values())
 
         for table, order in (("task_instance", "task_id"), ("xcom", "task_id, key"),
@@ -131,9 +141,9 @@ async def test_writer_writes_the_rows_airflow_writes(airflow_db: str) -> None:
             theirs = [_comparable(r, since) for r in await _rows(dsn_of(airflow_db), sql)]
             mine = [_comparable(r, since) for r in await _rows(dsn_of(ours), sql)]
             assert len(mine) == len(theirs), table
-            if table == "callback":  # success_xcom, success, failed
+            if table == "callback":  # success_xcom, success, failed, failed_retry
                 assert [json.loads(r["request"])["ti"]["task_id"] for r in mine] == [
-                    "failed", "success", "success_xcom"]
+                    "failed", "failed_retry", "success", "success_xcom"]
                 assert {r["uuid_version"] for r in mine} == {"7"}
             for m, t in zip(mine, theirs, strict=True):
                 differ = {k: (m[k], t.get(k)) for k in m if m[k] != t.get(k)}
@@ -143,6 +153,7 @@ async def test_writer_writes_the_rows_airflow_writes(airflow_db: str) -> None:
         assert states == {"resume": "scheduled", "resume_dict": "scheduled",
                           "resume_kwargs": "scheduled", "fail": "scheduled",
                           "success_xcom": "success", "success": "success", "failed": "failed",
+                          "failed_retry": "failed",
                           "skipped": "skipped", "cleared": "up_for_retry"}
     finally:
         await admin_sql(drop_database_sql(ours))

@@ -23,7 +23,10 @@ def encode_event(event: TriggerEvent) -> tuple[str, str]:
         if event.xcoms:
             # XComModel.set stores serialize_value's JSON text as a JSON string.
             xcoms = {key: XComModel.serialize_value(value) for key, value in event.xcoms.items()}
-        return str(event.task_instance_state), json.dumps({"xcoms": xcoms})
+        # serde_xcoms: the values themselves, for the events applied by Airflow's own code
+        # (events.needs_airflow), which pushes them again as XComModel.set does.
+        return str(event.task_instance_state), json.dumps(
+            {"xcoms": xcoms, "serde_xcoms": serialize(event.xcoms)})
     return "resume", json.dumps(serialize(event.payload))
 
 

@@ -10,8 +10,10 @@ Each statement here does for a whole batch what Airflow does for one event at a 
 * ``success`` / ``failed`` / ``skipped`` — the task-end events: ``TaskInstance.set_state``
   (start/end dates, duration), their XComs replaced as ``XComModel.set`` does, and for
   success/failed the ``TaskCallbackRequest`` row the DAG processor runs callbacks from.
-  Not matched yet: a ``TaskFailedEvent`` for a task with retries left, which Airflow 3.3.2
-  routes to ``up_for_retry`` after loading the serialized DAG; here it fails terminally.
+  A ``TaskFailedEvent`` for a task that may have retries left (``try_number <= max_tries``)
+  is left alone here: Airflow 3.3.2 loads the serialized DAG to decide between
+  ``up_for_retry`` (with a TaskInstanceHistory row and a new try id) and ``failed``, so those
+  few go through Airflow's own function (``orm.apply_with_airflow``).
 
 Fencing: only a task instance still ``deferred`` on that trigger moves, and only for the
 attempt triggerflow's bookkeeping says holds the trigger, so redelivered, duplicate or stale
@@ -98,6 +100,7 @@ WITH event AS (
     -- right after a mass deferral) it guesses one deferred row, scans that index as the
     -- outer side and rescans the batch for each of 10,000 rows (seconds -> a minute).
     WHERE ti.trigger_id = live.trigger_id AND coalesce(ti.state, '') = 'deferred'
+      AND NOT (live.kind = 'failed' AND ti.try_number <= ti.max_tries)
     RETURNING ti.id, ti.dag_id, ti.task_id, ti.run_id, ti.map_index, ti.try_number,
               ti.dag_version_id, ti.hostname, ti.context_carrier, ti.queue AS ti_queue,
               live.trigger_id, live.queue,
@@ -165,6 +168,11 @@ WITH gone AS (
 )
 DELETE FROM {SCHEMA}.trigger_state s USING gone WHERE s.trigger_id = gone.id
 """
+
+
+def needs_airflow(events: Sequence[AirflowEvent], moved: set[int]) -> list[AirflowEvent]:
+    """Events ``APPLY`` left for Airflow's own code: failures of tasks that may retry."""
+    return [e for e in events if e.kind == "failed" and e.trigger_id not in moved]
 
 
 async def apply_events(conn: asyncpg.Connection, events: Sequence[AirflowEvent],

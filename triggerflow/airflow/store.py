@@ -16,15 +16,17 @@ Airflow's rows, read as Airflow stores them and written as Airflow's own functio
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import sys
+import time
 from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import asyncpg
 
 from triggerflow.airflow import statements as sql
-from triggerflow.airflow.events import AirflowEvent
+from triggerflow.airflow.events import AirflowEvent, needs_airflow
 from triggerflow.airflow.events import apply_events as apply_airflow_events
 from triggerflow.store import (
     Applied,
@@ -58,15 +60,17 @@ def _scope(queues: Sequence[str] | None) -> tuple[list[str], bool]:
 
 
 class AirflowStore:
-    """The store on one pool over Airflow's database.
+    """The store on one pool over Airflow's database (``dsn``; Airflow's own code, for the
+    events it applies, opens its own connections to it).
 
     ``default_queue`` serves Airflow trigger rows that have no queue; None leaves them to
     Airflow's own triggerer.
     """
 
-    def __init__(self, pool: asyncpg.Pool, default_queue: str | None = None) -> None:
+    def __init__(self, pool: asyncpg.Pool, dsn: str, default_queue: str | None = None) -> None:
         self.pool = pool
         self.default_queue = default_queue
+        self.dsn = dsn  # for the events Airflow's own code applies (orm.py)
 
     @classmethod
     async def connect(cls, dsn: str, *, default_queue: str | None = None,
@@ -74,7 +78,7 @@ class AirflowStore:
         pool = await asyncpg.create_pool(
             dsn, min_size=1, max_size=max_size,
             server_settings={"application_name": "triggerflow-airflow"})
-        return cls(pool, default_queue)
+        return cls(pool, dsn, default_queue)
 
     async def close(self) -> None:
         with contextlib.suppress(TimeoutError):
@@ -184,7 +188,22 @@ class AirflowStore:
                  for e in events]
         async with self._errors(), self.pool.acquire() as conn:
             rows = await apply_airflow_events(conn, batch, self.default_queue)
-        return [Applied(r["kind"], r["queue"], r["latency"]) for r in rows]
+        applied = [Applied(r["kind"], r["queue"], r["latency"]) for r in rows]
+        rest = needs_airflow(batch, {r["trigger_id"] for r in rows})
+        if rest:
+            from sqlalchemy.exc import OperationalError, SQLAlchemyError
+
+            from triggerflow.airflow.orm import apply_with_airflow
+
+            try:
+                done = await asyncio.to_thread(apply_with_airflow, self.dsn, rest,
+                                               self.default_queue)
+            except OperationalError as exc:
+                raise StoreUnavailable(repr(exc)) from exc
+            except SQLAlchemyError as exc:
+                raise StoreError(repr(exc)) from exc
+            applied += [Applied(e.kind, e.queue, time.time() - e.fired_at) for e in done]
+        return applied
 
     # -- reaper ----------------------------------------------------------------------------
 
