@@ -134,3 +134,21 @@ def test_kwargs_under_another_fernet_key_do_not_decode() -> None:
     foreign = Fernet(Fernet.generate_key()).encrypt(b'{"a": 1}').decode()
     with pytest.raises(InvalidToken):
         decode_kwargs(foreign)
+
+
+async def test_runner_outcomes_encode_as_airflow_events_do() -> None:
+    """A heap timer's outcome and the event Airflow's run() yields encode to the same body."""
+    from airflow.providers.standard.triggers.temporal import DateTimeTrigger
+
+    from triggerflow.airflow.codec import encode_event, encode_outcome
+    from triggerflow.airflow.kwargs import build_trigger
+    from triggerflow.airflow.timers import as_timer
+
+    for end_from_trigger in (False, True):
+        classpath, kwargs = stored(DateTimeTrigger(
+            moment=pendulum.datetime(2026, 1, 2, 3, 4, 5, 6, tz="UTC"),
+            end_from_trigger=end_from_trigger))
+        theirs = encode_event(await anext(build_trigger(classpath, kwargs).run()))
+        timer = as_timer(build_trigger(classpath, kwargs))
+        assert timer is not None
+        assert encode_outcome(timer.timer_kind, timer.timer_payload(timer.deadline())) == theirs

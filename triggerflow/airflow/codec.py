@@ -15,6 +15,8 @@ from airflow.models.xcom import XComModel
 from airflow.sdk.serde import serialize
 from airflow.triggers.base import BaseTaskEndEvent, TriggerEvent
 
+from triggerflow.model import EventKind
+
 
 def encode_event(event: TriggerEvent) -> tuple[str, str]:
     """``(kind, body)`` for what a trigger yielded: a resume or a task-end event."""
@@ -42,3 +44,23 @@ def failure_body(exc: BaseException | list[str] | None) -> str:
     else:
         traceback = exc
     return json.dumps({"error": TriggerFailureReason.TRIGGER_FAILURE.value, "traceback": traceback})
+
+
+def encode_outcome(kind: EventKind, payload: Any) -> tuple[str, str]:
+    """``(kind, body)`` for what ``TriggerRunner`` emits when it runs Airflow triggers.
+
+    Heap timers (``timers``) emit ``RESUME`` with the moment or ``SUCCESS`` with no XComs;
+    a coroutine trigger's Airflow event comes through ``encode_event``. A runner failure
+    (``FAIL``, built by ``runner.failure``) becomes ``submit_failure``'s shape: Airflow keeps
+    only the reason and the traceback lines.
+    """
+    if kind is EventKind.RESUME:
+        return "resume", resume_body(payload)
+    if kind is EventKind.FAIL:
+        lines = payload.get("traceback") or [payload.get("message", "")]
+        return "fail", json.dumps({"error": TriggerFailureReason.TRIGGER_FAILURE.value,
+                                   "traceback": lines})
+    xcoms = None
+    if payload:
+        xcoms = {key: XComModel.serialize_value(value) for key, value in payload.items()}
+    return str(kind), json.dumps({"xcoms": xcoms, "serde_xcoms": serialize(payload)})
