@@ -251,3 +251,35 @@ async def test_a_burst_of_10000_events_is_two_statements(served: str) -> None:
             served, "SELECT count(*) FROM task_instance WHERE state = 'scheduled'") == n
     finally:
         await store.close()
+
+
+async def test_listener_reconnects_and_the_backstop_finds_what_it_missed(served: str) -> None:
+    got: asyncio.Queue[tuple[str | None, list[int]]] = asyncio.Queue()
+    connections = asyncio.Queue[None]()
+    stop = asyncio.Event()
+
+    async def deliver(queue: str | None, ids: list[int]) -> None:
+        got.put_nowait((queue, ids))
+
+    task = asyncio.create_task(wakeups.listen(
+        served, deliver, stop, retry_interval=1.0,
+        on_connected=lambda: connections.put_nowait(None)))
+    store = await AirflowStore.connect(served)
+    try:
+        await asyncio.wait_for(connections.get(), 5)
+        killed = await scalar(
+            served, "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                    "WHERE application_name = 'triggerflow-airflow-listen'")
+        assert killed == 1
+        missed = await defer(served, "while_away", "team-a")  # no listener right now
+        await asyncio.wait_for(connections.get(), 10)  # reconnected
+        after = await defer(served, "after", "team-a")
+        assert await asyncio.wait_for(got.get(), 5) == ("team-a", [after])
+        await asyncio.sleep(0.6)
+        await store.mark_published([after])  # what the writer does after publishing
+        assert got.empty()  # the row inserted while away was never notified
+        assert [r.id for r in await store.resend_unclaimed(["team-a"], 0.5, 100)] == [missed]
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 5)
+        await store.close()
