@@ -283,3 +283,33 @@ async def test_listener_reconnects_and_the_backstop_finds_what_it_missed(served:
         stop.set()
         await asyncio.wait_for(task, 5)
         await store.close()
+
+
+async def test_release_refusal_and_probation_on_airflow_rows(served: str) -> None:
+    trigger_id = await defer(served, "t", "team-a")
+    store = await AirflowStore.connect(served)
+    try:
+        me = await store.register(ProcessKind.CONSUMER, "h", 1, ["team-a"], 100, "t", 30)
+        peer = await store.register(ProcessKind.CONSUMER, "h", 2, ["team-a"], 100, "t", 30)
+        await store.claim(me, [trigger_id], ["team-a"])
+        assert await store.other_loaders(trigger_id, me) == 1
+        # I cannot load it: handed back, and my next claim passes it on instead of running it.
+        refs = await store.release(me, [trigger_id], cannot_load=True, reason="no module")
+        assert [(r.id, r.queue) for r in refs] == [(trigger_id, "team-a")]
+        again = await store.claim(me, [trigger_id], ["team-a"])
+        assert again.claimed == [] and [r.id for r in again.refused] == [trigger_id]
+        assert await store.other_loaders(trigger_id, me) == 1
+        [spec] = (await store.claim(peer, [trigger_id], ["team-a"])).claimed
+        assert spec.attempt == 2
+
+        # Lost ungracefully twice: a suspect, claimed only on probation, and cleared after.
+        await scalar(served, "UPDATE triggerflow.trigger_state SET owner_id = NULL, failures = 2")
+        assert (await store.claim(peer, [trigger_id], ["team-a"])).suspects == [trigger_id]
+        [spec] = await store.claim_probation(peer, ["team-a"])
+        assert (spec.id, spec.attempt) == (trigger_id, 3)
+        await store.clear_probation(peer, [trigger_id])
+        assert await scalar(served, "SELECT failures FROM triggerflow.trigger_state") == 0
+        await store.unregister(peer)
+        assert await scalar(served, "SELECT owner_id FROM triggerflow.trigger_state") is None
+    finally:
+        await store.close()
