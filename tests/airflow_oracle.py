@@ -59,6 +59,22 @@ def main(tasks: dict[str, int]) -> None:
         Trigger.clean_unused(session=session)
 
 
+def serialize_dag(dag_id: str, retrying_task: str) -> None:
+    """Store a serialized version of the DAG in which ``retrying_task`` has one retry (Airflow's
+    handler reads it to decide whether a failed task retries)."""
+    from airflow.models.serialized_dag import SerializedDagModel
+    from airflow.providers.standard.operators.empty import EmptyOperator
+    from airflow.sdk import DAG
+    from airflow.serialization.serialized_objects import LazyDeserializedDAG
+    from airflow.utils.session import create_session
+
+    with DAG(dag_id, schedule=None) as dag:
+        EmptyOperator(task_id=retrying_task, retries=1)
+    with create_session() as session:
+        SerializedDagModel.write_dag(LazyDeserializedDAG.from_dag(dag), bundle_name="dags-folder",
+                                     session=session)
+
+
 def apply_with_triggerflow_orm(dsn: str, events_json: str) -> None:
     """triggerflow's ORM path (orm.apply_with_airflow), in a process configured for ``dsn``."""
     from triggerflow.airflow.events import AirflowEvent
@@ -70,7 +86,9 @@ def apply_with_triggerflow_orm(dsn: str, events_json: str) -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1] == "--triggerflow-orm":
+    if sys.argv[1] == "--serialize-dag":
+        serialize_dag(sys.argv[2], sys.argv[3])
+    elif sys.argv[1] == "--triggerflow-orm":
         apply_with_triggerflow_orm(sys.argv[2], sys.argv[3])
     else:
         main(json.loads(sys.argv[1]))

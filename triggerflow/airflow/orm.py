@@ -63,7 +63,9 @@ def apply_with_airflow(dsn: str, events: Sequence[AirflowEvent],
     """Apply each event with ``Trigger.submit_event`` (blocking); returns those that moved."""
     moved = []
     for event in events:
-        with Session(_engine(sqlalchemy_url(dsn))) as session, session.begin():
+        # Session options as Airflow configures its own (airflow.settings): no autoflush.
+        with Session(_engine(sqlalchemy_url(dsn)), autoflush=False,
+                     expire_on_commit=False) as session, session.begin():
             fenced = session.execute(FENCE, {
                 "trigger_id": event.trigger_id, "attempt": event.attempt, "queue": event.queue,
                 "default_queue": default_queue}).first()
