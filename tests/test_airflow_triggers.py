@@ -152,3 +152,34 @@ async def test_runner_outcomes_encode_as_airflow_events_do() -> None:
         timer = as_timer(build_trigger(classpath, kwargs))
         assert timer is not None
         assert encode_outcome(timer.timer_kind, timer.timer_payload(timer.deadline())) == theirs
+
+
+async def test_a_waiting_airflow_timer_costs_under_1kb() -> None:
+    """What the consumer keeps per waiting DateTimeTrigger: one Held and one heap entry (the
+    Airflow trigger object is dropped once mapped)."""
+    import gc
+    import tracemalloc
+
+    from airflow.providers.standard.triggers.temporal import DateTimeTrigger
+
+    from triggerflow.airflow.timers import as_timer
+
+    n = 20_000
+    runner = TriggerRunner(lambda held, kind, payload: None)
+    start = pendulum.now("UTC").add(hours=1)
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(n):
+            timer = as_timer(DateTimeTrigger(moment=start.add(microseconds=i)))
+            assert timer is not None
+            runner.start(Held(i, 1, "team-a", DATETIME_TRIGGER, None, None, None), timer)
+        gc.collect()
+        per_timer = (tracemalloc.get_traced_memory()[0] - before) / n
+    finally:
+        tracemalloc.stop()
+        runner.cancel()
+    print(f"\nwaiting Airflow DateTimeTrigger on the heap: {per_timer:.0f} bytes each ({n:,})")
+    assert len(runner) == 0
+    assert per_timer <= 1024
