@@ -9,8 +9,10 @@ module imports Airflow.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -29,6 +31,7 @@ AIRFLOW_TEMPLATE = f"tf_airflow_template_{os.getpid()}"
 # A fixed test key: rows encrypted by Airflow's code in a test decrypt with the same key.
 FERNET_KEY = "P3vN2mJ6kq1pG7x0lS7fZ5t3d2QyYc8u9wAbCdEfGhI="
 AIRFLOW_HOME = tempfile.mkdtemp(prefix="tf-airflow-home-")
+atexit.register(shutil.rmtree, AIRFLOW_HOME, ignore_errors=True)
 BIN = Path(sys.executable).parent
 
 
