@@ -4,8 +4,10 @@ Airflow's tables stay Airflow's. triggerflow keeps its leases and bookkeeping in
 its own (``triggerflow``) inside Airflow's database and installs one thing on Airflow's
 tables: a trigger that NOTIFYs when Airflow inserts ``trigger`` rows.
 
-Modules: ``schema`` (DDL and the Airflow versions it knows), ``setup`` (install/remove),
-``kwargs`` (decode with Airflow's own code), ``events`` (apply events with Airflow's
-semantics), ``heartbeat`` (the triggerer job row), ``timers`` (Airflow's timer triggers on
-triggerflow's heap). Only ``kwargs`` and ``timers`` import Airflow.
+Without Airflow imported: ``schema``/``setup``/``cli`` (install, remove, version check),
+``statements``/``store`` (``AirflowStore``), ``events`` (set-based apply with Airflow's
+semantics), ``heartbeat`` (the triggerer job row), ``wakeups`` (LISTEN). With Airflow
+(``triggerflow[airflow]``): ``kwargs`` (decode and build triggers with Airflow's code),
+``codec`` (event bodies with Airflow's serialisers), ``timers`` (Airflow's timer triggers on
+the heap), ``orm`` (the events Airflow's own function applies). See docs/airflow.md.
 """
