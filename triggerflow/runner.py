@@ -129,7 +129,8 @@ class TriggerRunner:
             if held.deadline is not None and held.deadline <= now:
                 del self.running[trigger_id]
                 assert held.timer_cls is not None
-                self._emit(held, EventKind.RESUME, held.timer_cls.timer_payload(held.deadline))
+                timer_cls = held.timer_cls
+                self._emit(held, timer_cls.timer_kind, timer_cls.timer_payload(held.deadline))
             elif held.timeout_at is not None and held.timeout_at <= now:
                 self._time_out(held)
         self._arm()

@@ -197,6 +197,10 @@ def cancel(trigger_ids: tuple[int, ...], state: str, **values: Any) -> None:
     click.echo(f"cancelled {n} task(s); {len(trigger_ids) - n} already not deferred")
 
 
-
 for _commands in (status, admin, tools):
     _commands.register(main)
+
+# Airflow mode's set-up commands import nothing from Airflow until they run.
+from triggerflow.airflow.cli import airflow_group  # noqa: E402
+
+main.add_command(airflow_group)

@@ -125,13 +125,16 @@ class TimerTrigger(BaseTrigger):
 
     The consumer keeps such triggers on one timer heap instead of a coroutine each (a few
     hundred bytes per waiting trigger instead of a few KB), and never calls ``run()``; the
-    event it emits is ``TriggerEvent(timer_payload(deadline))``.
+    event it emits is ``TriggerEvent(timer_payload(deadline))`` — or, for a subclass whose
+    ``timer_kind`` is a task-end kind, that task-end event with ``timer_payload`` as its XComs.
 
     Overriding ``cleanup()`` takes a subclass off the heap: it then runs as a coroutine
     trigger (``run()`` is called, ``cleanup()`` after it), so it must implement a ``run()``
     that waits for ``deadline()`` itself. On the heap, ``deadline()`` is called once, when
     the consumer starts the trigger.
     """
+
+    timer_kind: ClassVar[EventKind] = EventKind.RESUME
 
     @abc.abstractmethod
     def deadline(self) -> float:

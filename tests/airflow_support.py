@@ -1,0 +1,133 @@
+"""A real Airflow 3.3.2 metadata database for Airflow-mode tests.
+
+``airflow db migrate`` runs once per test session into a template database; each test gets
+its own copy (``CREATE DATABASE … TEMPLATE``). Airflow reads its configuration from the
+environment when first imported, so the environment is set here, at import, before any test
+module imports Airflow.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import pytest
+
+from tests.conftest import PG, admin_sql, drop_database_sql
+
+AIRFLOW_TEMPLATE = f"tf_airflow_template_{os.getpid()}"
+# A fixed test key: rows encrypted by Airflow's code in a test decrypt with the same key.
+FERNET_KEY = "P3vN2mJ6kq1pG7x0lS7fZ5t3d2QyYc8u9wAbCdEfGhI="
+AIRFLOW_HOME = tempfile.mkdtemp(prefix="tf-airflow-home-")
+atexit.register(shutil.rmtree, AIRFLOW_HOME, ignore_errors=True)
+BIN = Path(sys.executable).parent
+
+
+def airflow_env(database: str) -> dict[str, str]:
+    return {
+        "AIRFLOW_HOME": AIRFLOW_HOME,
+        "AIRFLOW__CORE__FERNET_KEY": FERNET_KEY,
+        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+        "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": sqlalchemy_url(database),
+    }
+
+
+def sqlalchemy_url(database: str) -> str:
+    return PG.replace("postgresql://", "postgresql+psycopg2://", 1) + f"/{database}"
+
+
+# Before anything imports Airflow (it reads its configuration once, at import).
+os.environ.update(airflow_env(AIRFLOW_TEMPLATE))
+pytest.importorskip("airflow", reason="needs triggerflow[airflow]")
+
+
+@pytest.fixture(scope="session")
+def airflow_template() -> Iterator[str]:
+    asyncio.run(admin_sql(drop_database_sql(AIRFLOW_TEMPLATE), f'CREATE DATABASE "{AIRFLOW_TEMPLATE}"'))
+    subprocess.run([str(BIN / "airflow"), "db", "migrate"], check=True, capture_output=True,
+                   env={**os.environ, **airflow_env(AIRFLOW_TEMPLATE)}, timeout=240)
+    yield AIRFLOW_TEMPLATE
+    asyncio.run(admin_sql(drop_database_sql(AIRFLOW_TEMPLATE)))
+
+
+async def copy_database(source: str) -> str:
+    name = f"tf_af_{uuid.uuid4().hex[:12]}"
+    await admin_sql(f'CREATE DATABASE "{name}" TEMPLATE "{source}"')
+    return name
+
+
+@pytest.fixture
+async def airflow_db(airflow_template: str) -> AsyncIterator[str]:
+    """Name of a fresh, migrated Airflow database (dropped afterwards)."""
+    name = await copy_database(airflow_template)
+    yield name
+    await admin_sql(drop_database_sql(name))
+
+
+def dsn_of(database: str) -> str:
+    return f"{PG}/{database}"
+
+
+@dataclass
+class DeferredTask:
+    task_id: str
+    trigger_id: int
+    map_index: int = -1
+
+
+DAG_ID = "tf_golden"
+RUN_ID = "manual__golden"
+DAG_VERSION_ID = uuid.UUID("01930000-0000-7000-8000-000000000001")
+
+
+async def add_dag_run(conn: asyncpg.Connection) -> None:
+    """The rows a deferred task instance hangs off: bundle, DAG, DAG run."""
+    await conn.execute("INSERT INTO dag_bundle (name, active) VALUES ('dags-folder', true)")
+    await conn.execute(
+        """INSERT INTO dag (dag_id, is_paused, is_stale, bundle_name, timetable_type,
+                            max_active_tasks, max_consecutive_failed_dag_runs,
+                            has_task_concurrency_limits, relative_fileloc, fileloc,
+                            partition_mapper_info)
+           VALUES ($1, false, false, 'dags-folder', '', 16, 0, false, 'golden.py',
+                   '/dags/golden.py', '{}')""", DAG_ID)
+    await conn.execute(
+        """INSERT INTO dag_version (id, version_number, dag_id, bundle_name, created_at,
+                                    last_updated)
+           VALUES ($1, 1, $2, 'dags-folder', now(), now())""", DAG_VERSION_ID, DAG_ID)
+    await conn.execute(
+        """INSERT INTO dag_run (dag_id, run_id, run_type, run_after, logical_date, state,
+                                start_date)
+           VALUES ($1, $2, 'manual', now(), now(), 'running', now())""", DAG_ID, RUN_ID)
+
+
+async def add_deferred_task(conn: asyncpg.Connection, task_id: str, classpath: str,
+                            encrypted_kwargs: str, *, queue: str | None = None,
+                            next_kwargs: Any = None, map_index: int = -1,
+                            max_tries: int = 0) -> DeferredTask:
+    """A task instance deferred on a new trigger row, as Airflow's API server writes them."""
+    trigger_id = await conn.fetchval(
+        """INSERT INTO "trigger" (classpath, kwargs, created_date, queue)
+           VALUES ($1, $2, now(), $3) RETURNING id""", classpath, encrypted_kwargs, queue)
+    await conn.execute(
+        """INSERT INTO task_instance (id, task_id, dag_id, run_id, map_index, try_number,
+                                      max_tries, pool, pool_slots, queue, priority_weight,
+                                      operator, state, trigger_id, next_method, next_kwargs,
+                                      start_date, updated_at, dag_version_id)
+           VALUES ($1, $2, $3, $4, $5, 1, $10, 'default_pool', 1, coalesce($6, 'default'), 1,
+                   'DateTimeSensorAsync', 'deferred', $7, 'execute_complete', $8::jsonb,
+                   now() - interval '1 minute', now(), $9)""",
+        uuid.uuid4(), task_id, DAG_ID, RUN_ID, map_index, queue, trigger_id,
+        None if next_kwargs is None else json.dumps(next_kwargs), DAG_VERSION_ID, max_tries)
+    return DeferredTask(task_id, int(trigger_id), map_index)

@@ -1,0 +1,315 @@
+"""AirflowStore on a real Airflow 3.3.2 schema: claim, renew, fencing, apply, reap, the
+backstop, cancellation sweep, and the NOTIFY listener."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+import asyncpg
+import pendulum
+import pytest
+
+from tests.airflow_support import (
+    add_dag_run,
+    add_deferred_task,
+    airflow_db,
+    airflow_template,
+    dsn_of,
+)
+from triggerflow.airflow import setup as airflow_setup
+from triggerflow.airflow import wakeups
+from triggerflow.airflow.store import AirflowStore
+from triggerflow.store import KwargsProblem, ProcessKind
+from triggerflow.wire import Event
+
+__all__ = ["airflow_db", "airflow_template"]
+
+DATETIME_TRIGGER = "airflow.providers.standard.triggers.temporal.DateTimeTrigger"
+MOMENT = pendulum.datetime(2026, 11, 30, 12, tz="UTC")
+
+
+@pytest.fixture
+async def served(airflow_db: str) -> AsyncIterator[str]:
+    """An Airflow database with triggerflow set up and one DAG run to defer tasks in."""
+    dsn = dsn_of(airflow_db)
+    await airflow_setup.setup(dsn)
+    conn = await asyncpg.connect(dsn)
+    try:
+        await add_dag_run(conn)
+    finally:
+        await conn.close()
+    yield dsn
+
+
+async def defer(dsn: str, name: str, queue: str | None) -> int:
+    from triggerflow.airflow.kwargs import encrypt_kwargs
+
+    conn = await asyncpg.connect(dsn)
+    try:
+        kwargs = encrypt_kwargs({"moment": MOMENT, "end_from_trigger": False})
+        return (await add_deferred_task(conn, name, DATETIME_TRIGGER, kwargs, queue=queue)).trigger_id
+    finally:
+        await conn.close()
+
+
+async def scalar(dsn: str, query: str, *args: object) -> object:
+    conn = await asyncpg.connect(dsn)
+    try:
+        return await conn.fetchval(query, *args)
+    finally:
+        await conn.close()
+
+
+def resume(trigger_id: int, attempt: int, queue: str) -> Event:
+    from triggerflow.airflow.codec import resume_body
+
+    return Event(trigger_id, attempt, queue, "resume", resume_body(MOMENT), time.time())
+
+
+async def test_claim_decodes_airflow_rows_of_my_queues_only(served: str) -> None:
+    mine = await defer(served, "mine", "team-a")
+    other = await defer(served, "other", "team-b")
+    no_queue = await defer(served, "no_queue", None)
+    store = await AirflowStore.connect(served)
+    try:
+        me = await store.register(ProcessKind.CONSUMER, "h", 1, ["team-a"], 100, "t", 30)
+        result = await store.claim(me, [mine, other, no_queue], ["team-a"])
+        assert [s.id for s in result.claimed] == [mine]
+        spec = result.claimed[0]
+        assert (spec.attempt, spec.queue, spec.classpath) == (1, "team-a", DATETIME_TRIGGER)
+        assert spec.kwargs == {"moment": MOMENT, "end_from_trigger": False}
+        assert spec.task == "tf_golden.mine@manual__golden"
+        # Held by a live owner: nobody (not even I) claims it again.
+        peer = await store.register(ProcessKind.CONSUMER, "h", 2, ["team-a"], 100, "t", 30)
+        assert (await store.claim(peer, [mine], ["team-a"])).claimed == []
+    finally:
+        await store.close()
+
+    # Rows without a queue are served only when a default queue is configured.
+    store = await AirflowStore.connect(served, default_queue="fallback")
+    try:
+        me = await store.register(ProcessKind.CONSUMER, "h", 3, ["fallback"], 100, "t", 30)
+        claimed = (await store.claim(me, [no_queue, other], ["fallback"])).claimed
+        assert [(s.id, s.queue) for s in claimed] == [(no_queue, "fallback")]
+    finally:
+        await store.close()
+
+
+async def test_kwargs_under_another_key_are_unreadable_here_not_invalid(served: str) -> None:
+    from cryptography.fernet import Fernet
+
+    foreign = Fernet(Fernet.generate_key()).encrypt(b'{"a": 1}').decode()
+    conn = await asyncpg.connect(served)
+    try:
+        trigger_id = (await add_deferred_task(conn, "foreign", DATETIME_TRIGGER, foreign,
+                                              queue="team-a")).trigger_id
+    finally:
+        await conn.close()
+    store = await AirflowStore.connect(served)
+    try:
+        me = await store.register(ProcessKind.CONSUMER, "h", 1, ["team-a"], 100, "t", 30)
+        [spec] = (await store.claim(me, [trigger_id], ["team-a"])).claimed
+        assert spec.kwargs is None
+        assert spec.kwargs_error is not None
+        assert spec.kwargs_error.problem is KwargsProblem.UNREADABLE_HERE
+    finally:
+        await store.close()
+
+
+async def test_dead_owner_is_reaped_and_its_stale_events_change_nothing(served: str) -> None:
+    trigger_id = await defer(served, "t1", "team-a")
+    store = await AirflowStore.connect(served)
+    try:
+        first = await store.register(ProcessKind.CONSUMER, "h", 1, ["team-a"], 100, "t", 0.5)
+        assert [s.attempt for s in (await store.claim(first, [trigger_id], ["team-a"])).claimed] == [1]
+        renewal = await store.renew(first, 0.5, 1, ["team-a"])
+        assert renewal is not None and renewal.live_peers == 1
+        await asyncio.sleep(0.7)
+        assert await store.renew(first, 0.5, 1, ["team-a"]) is None  # fenced: lease expired
+
+        reaped = await store.reap_dead(["team-a"], max_failures=5)
+        assert reaped.dead_owners == 1
+        assert [(f.id, f.queue, f.failures, f.quarantined) for f in reaped.freed] == [
+            (trigger_id, "team-a", 1, False)]
+
+        second = await store.register(ProcessKind.CONSUMER, "h", 2, ["team-a"], 100, "t", 30)
+        [spec] = (await store.claim(second, [trigger_id], ["team-a"])).claimed
+        assert spec.attempt == 2
+        # The dead owner's event (attempt 1), or one for the wrong queue: nothing moves.
+        assert await store.apply_events([resume(trigger_id, 1, "team-a")]) == []
+        assert await store.apply_events([resume(trigger_id, 2, "team-b")]) == []
+        assert await scalar(served, "SELECT state FROM task_instance WHERE task_id = 't1'") == "deferred"
+
+        applied = await store.apply_events([resume(trigger_id, 2, "team-a")] * 2)  # duplicate
+        assert [(a.kind, a.queue) for a in applied] == [("resume", "team-a")]
+        assert 0 <= applied[0].latency < 5
+        assert await store.apply_events([resume(trigger_id, 2, "team-a")]) == []  # redelivered
+        assert await scalar(served, "SELECT state FROM task_instance WHERE task_id = 't1'") == "scheduled"
+        # Airflow's trigger row and triggerflow's bookkeeping are gone, as clean_unused would.
+        assert await scalar(served, 'SELECT count(*) FROM "trigger"') == 0
+        assert await scalar(served, "SELECT count(*) FROM triggerflow.trigger_state") == 0
+    finally:
+        await store.close()
+
+
+async def test_backstop_resends_rows_never_published_and_skips_published(served: str) -> None:
+    unseen = await defer(served, "unseen", "team-a")
+    published = await defer(served, "published", "team-a")
+    no_queue = await defer(served, "no_queue", None)
+    store = await AirflowStore.connect(served)
+    try:
+        await store.mark_published([published])
+        assert await store.resend_unclaimed(None, grace=0.5, limit=100) == []  # within grace
+        await asyncio.sleep(0.7)
+        assert await store.waiting_queues(0.5) == ["team-a"]
+        refs = await store.resend_unclaimed(None, grace=0.5, limit=100)
+        assert sorted((r.id, r.queue) for r in refs) == sorted([(unseen, "team-a"),
+                                                                 (published, "team-a")])
+        assert await store.resend_unclaimed(None, grace=0.5, limit=100) == []  # marked now
+        assert no_queue not in [r.id for r in refs]  # no default queue: Airflow's triggerer's
+    finally:
+        await store.close()
+
+
+async def test_sweep_and_clean_unused_after_a_task_is_marked_in_airflow(served: str) -> None:
+    trigger_id = await defer(served, "cleared", "team-a")
+    store = await AirflowStore.connect(served)
+    try:
+        me = await store.register(ProcessKind.CONSUMER, "h", 1, ["team-a"], 100, "t", 30)
+        await store.claim(me, [trigger_id], ["team-a"])
+        assert await store.sweep_cancelled(me) == []
+        await scalar(served, "UPDATE task_instance SET state = 'success' WHERE task_id = 'cleared'")
+        assert await store.sweep_cancelled(me) == [trigger_id]
+        assert await store.clean_unused() == 1
+        assert await scalar(served, 'SELECT count(*) FROM "trigger"') == 0
+        assert await scalar(
+            served, "SELECT trigger_id FROM task_instance WHERE task_id = 'cleared'") is None
+    finally:
+        await store.close()
+
+
+async def test_listener_delivers_new_trigger_rows(served: str) -> None:
+    got: asyncio.Queue[tuple[str | None, list[int]]] = asyncio.Queue()
+    connected = asyncio.Event()
+    stop = asyncio.Event()
+
+    async def deliver(queue: str | None, ids: list[int]) -> None:
+        got.put_nowait((queue, ids))
+
+    task = asyncio.create_task(wakeups.listen(served, deliver, stop, on_connected=connected.set))
+    try:
+        await asyncio.wait_for(connected.wait(), 5)
+        trigger_id = await defer(served, "new", "team-a")
+        assert await asyncio.wait_for(got.get(), 5) == ("team-a", [trigger_id])
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 5)
+
+
+async def test_a_burst_of_10000_events_is_two_statements(served: str) -> None:
+    """Timing is printed, not asserted (benchmarks measure; tests check behaviour)."""
+    from triggerflow.airflow.kwargs import encrypt_kwargs
+
+    n = 10_000
+    conn = await asyncpg.connect(served)
+    try:
+        kwargs = encrypt_kwargs({"moment": MOMENT, "end_from_trigger": False})
+        ids = [r["id"] for r in await conn.fetch(
+            """WITH t AS (INSERT INTO "trigger" (classpath, kwargs, created_date, queue)
+                          SELECT $1, $2, now(), 'team-a' FROM generate_series(1, $3) RETURNING id)
+               INSERT INTO task_instance (id, task_id, dag_id, run_id, map_index, try_number,
+                   max_tries, pool, pool_slots, queue, priority_weight, state, trigger_id,
+                   next_method)
+               SELECT gen_random_uuid(), 'burst', 'tf_golden', 'manual__golden',
+                      row_number() OVER (ORDER BY t.id) - 1, 1, 0, 'default_pool', 1,
+                      'team-a', 1, 'deferred', t.id, 'execute_complete' FROM t
+               RETURNING trigger_id AS id""", DATETIME_TRIGGER, kwargs, n)]
+    finally:
+        await conn.close()
+    store = await AirflowStore.connect(served)
+    try:
+        me = await store.register(ProcessKind.CONSUMER, "h", 1, ["team-a"], n, "t", 30)
+        started = time.perf_counter()
+        claimed = (await store.claim(me, ids, ["team-a"])).claimed
+        claim_s = time.perf_counter() - started
+        assert len(claimed) == n
+        started = time.perf_counter()
+        applied = await store.apply_events([resume(i, 1, "team-a") for i in ids])
+        apply_s = time.perf_counter() - started
+        from triggerflow.airflow.kwargs import decode_kwargs
+
+        started = time.perf_counter()
+        for _ in range(1000):
+            decode_kwargs(kwargs)
+        decode_ms = time.perf_counter() - started  # 1000 rows: seconds == ms per row
+        print(f"\nairflow store: claim {n} in {claim_s:.3f}s (kwargs decoding "
+              f"{decode_ms:.3f} ms/row), apply {n} in {apply_s:.3f}s (2 statements, 1 transaction)")
+        assert len(applied) == n
+        assert await scalar(
+            served, "SELECT count(*) FROM task_instance WHERE state = 'scheduled'") == n
+    finally:
+        await store.close()
+
+
+async def test_listener_reconnects_and_the_backstop_finds_what_it_missed(served: str) -> None:
+    got: asyncio.Queue[tuple[str | None, list[int]]] = asyncio.Queue()
+    connections = asyncio.Queue[None]()
+    stop = asyncio.Event()
+
+    async def deliver(queue: str | None, ids: list[int]) -> None:
+        got.put_nowait((queue, ids))
+
+    task = asyncio.create_task(wakeups.listen(
+        served, deliver, stop, retry_interval=1.0,
+        on_connected=lambda: connections.put_nowait(None)))
+    store = await AirflowStore.connect(served)
+    try:
+        await asyncio.wait_for(connections.get(), 5)
+        killed = await scalar(
+            served, "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                    "WHERE application_name = 'triggerflow-airflow-listen'")
+        assert killed == 1
+        missed = await defer(served, "while_away", "team-a")  # no listener right now
+        await asyncio.wait_for(connections.get(), 10)  # reconnected
+        after = await defer(served, "after", "team-a")
+        assert await asyncio.wait_for(got.get(), 5) == ("team-a", [after])
+        await asyncio.sleep(0.6)
+        await store.mark_published([after])  # what the writer does after publishing
+        assert got.empty()  # the row inserted while away was never notified
+        assert [r.id for r in await store.resend_unclaimed(["team-a"], 0.5, 100)] == [missed]
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 5)
+        await store.close()
+
+
+async def test_release_refusal_and_probation_on_airflow_rows(served: str) -> None:
+    trigger_id = await defer(served, "t", "team-a")
+    store = await AirflowStore.connect(served)
+    try:
+        me = await store.register(ProcessKind.CONSUMER, "h", 1, ["team-a"], 100, "t", 30)
+        peer = await store.register(ProcessKind.CONSUMER, "h", 2, ["team-a"], 100, "t", 30)
+        await store.claim(me, [trigger_id], ["team-a"])
+        assert await store.other_loaders(trigger_id, me) == 1
+        # I cannot load it: handed back, and my next claim passes it on instead of running it.
+        refs = await store.release(me, [trigger_id], cannot_load=True, reason="no module")
+        assert [(r.id, r.queue) for r in refs] == [(trigger_id, "team-a")]
+        again = await store.claim(me, [trigger_id], ["team-a"])
+        assert again.claimed == [] and [r.id for r in again.refused] == [trigger_id]
+        assert await store.other_loaders(trigger_id, me) == 1
+        [spec] = (await store.claim(peer, [trigger_id], ["team-a"])).claimed
+        assert spec.attempt == 2
+
+        # Lost ungracefully twice: a suspect, claimed only on probation, and cleared after.
+        await scalar(served, "UPDATE triggerflow.trigger_state SET owner_id = NULL, failures = 2")
+        assert (await store.claim(peer, [trigger_id], ["team-a"])).suspects == [trigger_id]
+        [spec] = await store.claim_probation(peer, ["team-a"])
+        assert (spec.id, spec.attempt) == (trigger_id, 3)
+        await store.clear_probation(peer, [trigger_id])
+        assert await scalar(served, "SELECT failures FROM triggerflow.trigger_state") == 0
+        await store.unregister(peer)
+        assert await scalar(served, "SELECT owner_id FROM triggerflow.trigger_state") is None
+    finally:
+        await store.close()

@@ -1,0 +1,265 @@
+"""Every statement ``AirflowStore`` runs, named after what it does.
+
+Airflow's rows (``trigger``, ``task_instance``) are read, and written only as Airflow's own
+code writes them (see ``events``); leases and bookkeeping live in the ``triggerflow`` schema.
+A trigger row of Airflow's has bookkeeping once triggerflow has seen it (published, claimed);
+before that it is simply absent. ``$default`` parameters name the queue that rows without a
+``queue`` belong to, or NULL when such rows are left to Airflow's own triggerer.
+"""
+
+from __future__ import annotations
+
+from triggerflow.airflow.schema import SCHEMA
+
+REGISTER = f"""
+INSERT INTO {SCHEMA}.consumer (kind, host, pid, queues, capacity, version, expires_at)
+VALUES ($1, $2, $3, $4::text[], $5, $6, now() + make_interval(secs => $7))
+RETURNING id
+"""
+
+RENEW = f"""
+UPDATE {SCHEMA}.consumer SET renewed_at = now(),
+       expires_at = now() + make_interval(secs => $2), running = $3
+WHERE id = $1 AND expires_at > now()
+RETURNING
+    (SELECT count(*) FROM {SCHEMA}.consumer c
+     WHERE c.expires_at <= now() AND (c.queues && $4::text[] OR cardinality($4::text[]) = 0))
+        AS dead_peers,
+    (SELECT count(*) FROM {SCHEMA}.consumer c
+     WHERE c.kind = 'consumer' AND c.expires_at > now() AND c.queues && $4::text[]) AS live_peers,
+    (SELECT coalesce(sum(c.running), 0) FROM {SCHEMA}.consumer c
+     WHERE c.kind = 'consumer' AND c.expires_at > now() AND c.queues && $4::text[])
+        AS peers_running
+"""
+
+UNREGISTER = f"""
+WITH stragglers AS (
+    UPDATE {SCHEMA}.trigger_state SET owner_id = NULL, published_at = now() - interval '1 day'
+    WHERE owner_id = $1 RETURNING trigger_id
+)
+DELETE FROM {SCHEMA}.consumer WHERE id = $1
+"""
+
+# What a consumer needs to run a claimed trigger: Airflow's classpath and encrypted kwargs,
+# the team queue, and the task for log lines. Timeouts stay the scheduler's (as in Airflow).
+_SPEC = """
+    t.id, c.attempt, t.classpath, t.kwargs, coalesce(t.queue, $4) AS queue,
+    format('%s.%s@%s', ti.dag_id, ti.task_id, ti.run_id) AS task
+"""
+
+# One statement: Airflow's trigger rows of my queues that a deferred task waits on, joined
+# with triggerflow's bookkeeping (absent the first time), claimed where no live owner holds
+# them. The upsert takes the bookkeeping row's lock: a concurrent claim of the same id waits,
+# then finds a live owner and claims nothing. Asset-watcher and callback triggers have no
+# deferred task and are never claimed here.
+CLAIM = f"""
+WITH candidate AS (
+    SELECT t.id, coalesce(t.queue, $4) AS queue, coalesce(s.failures, 0) AS failures,
+           coalesce($1 = ANY(s.rejected_by), false) AS refused, s.owner_id IS NULL AS unowned
+    FROM "trigger" t
+    LEFT JOIN {SCHEMA}.trigger_state s ON s.trigger_id = t.id
+    WHERE t.id = ANY($2::int[]) AND coalesce(t.queue, $4) = ANY($3::text[])
+      AND s.quarantined_at IS NULL
+      -- coalesce(): found by ti_trigger_id, never by the ti_state index (see events.APPLY)
+      AND EXISTS (SELECT 1 FROM task_instance ti
+                  WHERE ti.trigger_id = t.id AND coalesce(ti.state, '') = 'deferred')
+), claimed AS (
+    INSERT INTO {SCHEMA}.trigger_state AS s (trigger_id, owner_id, attempt, claimed_at)
+    SELECT id, $1, 1, now() FROM candidate WHERE failures < 2 AND NOT refused ORDER BY id
+    ON CONFLICT (trigger_id) DO UPDATE
+        SET owner_id = $1, attempt = s.attempt + 1, claimed_at = now()
+        WHERE s.quarantined_at IS NULL AND s.failures < 2 AND NOT ($1 = ANY(s.rejected_by))
+          AND (s.owner_id IS NULL OR NOT EXISTS (
+                SELECT 1 FROM {SCHEMA}.consumer o
+                WHERE o.id = s.owner_id AND o.expires_at > now()))
+    RETURNING s.trigger_id, s.attempt
+)
+SELECT {_SPEC}, 'claimed' AS outcome
+FROM claimed c JOIN "trigger" t ON t.id = c.trigger_id
+LEFT JOIN task_instance ti ON ti.trigger_id = t.id AND coalesce(ti.state, '') = 'deferred'
+UNION ALL
+SELECT id, 0, '', '', queue, NULL, 'suspect' FROM candidate WHERE failures >= 2 AND NOT refused
+UNION ALL
+SELECT id, 0, '', '', queue, NULL, 'refused' FROM candidate WHERE refused AND unowned
+"""
+
+CLAIM_PROBATION = f"""
+WITH worst AS (
+    SELECT s.failures AS f, count(*) AS n
+    FROM {SCHEMA}.trigger_state s JOIN "trigger" t ON t.id = s.trigger_id
+    WHERE coalesce(t.queue, $3) = ANY($2::text[]) AND s.owner_id IS NULL
+      AND s.quarantined_at IS NULL AND s.failures >= 2
+    GROUP BY s.failures ORDER BY s.failures DESC LIMIT 1
+), candidate AS (
+    SELECT s.trigger_id FROM {SCHEMA}.trigger_state s JOIN "trigger" t ON t.id = s.trigger_id,
+         worst
+    WHERE coalesce(t.queue, $3) = ANY($2::text[]) AND s.owner_id IS NULL
+      AND s.quarantined_at IS NULL AND s.failures = worst.f AND NOT ($1 = ANY(s.rejected_by))
+    ORDER BY s.trigger_id
+    LIMIT (SELECT greatest(1, (n + 1) / 2) FROM worst)
+    FOR UPDATE OF s SKIP LOCKED
+), claimed AS (
+    UPDATE {SCHEMA}.trigger_state s SET owner_id = $1, attempt = s.attempt + 1,
+           claimed_at = now()
+    FROM candidate WHERE s.trigger_id = candidate.trigger_id
+    RETURNING s.trigger_id, s.attempt
+), on_probation AS (
+    UPDATE {SCHEMA}.consumer
+    SET probation = (SELECT coalesce(array_agg(trigger_id), '{{}}') FROM claimed)
+    WHERE id = $1
+)
+SELECT t.id, c.attempt, t.classpath, t.kwargs, coalesce(t.queue, $3) AS queue,
+       format('%s.%s@%s', ti.dag_id, ti.task_id, ti.run_id) AS task
+FROM claimed c JOIN "trigger" t ON t.id = c.trigger_id
+LEFT JOIN task_instance ti ON ti.trigger_id = t.id AND ti.state = 'deferred'
+"""
+
+CLEAR_PROBATION = f"""
+WITH cleared AS (
+    UPDATE {SCHEMA}.trigger_state SET failures = 0
+    WHERE trigger_id = ANY($2::int[]) AND owner_id = $1 RETURNING trigger_id
+)
+UPDATE {SCHEMA}.consumer SET probation = '{{}}' WHERE id = $1
+"""
+
+RELEASE = f"""
+UPDATE {SCHEMA}.trigger_state s SET owner_id = NULL, published_at = now(),
+       rejected_by = CASE WHEN $3 THEN s.rejected_by || $1::bigint ELSE s.rejected_by END,
+       last_error = coalesce($4, s.last_error)
+FROM "trigger" t
+WHERE t.id = s.trigger_id AND s.owner_id = $1
+  AND ($2::int[] IS NULL OR s.trigger_id = ANY($2::int[]))
+RETURNING s.trigger_id AS id, coalesce(t.queue, $5) AS queue
+"""
+
+OTHER_LOADERS = f"""
+SELECT count(*) FROM {SCHEMA}.consumer c, "trigger" t
+LEFT JOIN {SCHEMA}.trigger_state s ON s.trigger_id = t.id
+WHERE t.id = $1 AND c.kind = 'consumer' AND c.expires_at > now()
+  AND coalesce(t.queue, $3) = ANY(c.queues)
+  AND NOT (c.id = ANY(coalesce(s.rejected_by, '{{}}'))) AND c.id <> $2
+"""
+
+# Backstop for cancellation: triggers I hold whose task is no longer deferred on them (a task
+# cleared or marked by hand, or timed out by Airflow's scheduler).
+SWEEP_CANCELLED = f"""
+DELETE FROM {SCHEMA}.trigger_state s
+WHERE s.owner_id = $1 AND NOT EXISTS (
+    SELECT 1 FROM task_instance ti WHERE ti.trigger_id = s.trigger_id AND ti.state = 'deferred')
+RETURNING s.trigger_id AS id
+"""
+
+FORGET_HELD = f"""
+DELETE FROM {SCHEMA}.trigger_state WHERE trigger_id = ANY($1::int[]) AND owner_id = $2
+"""
+
+# Consumers whose lease expired: free their triggers for re-sending, blaming as probation
+# says. A quarantined trigger's task fails the way Airflow fails a trigger
+# (``Trigger.submit_failure``: '__fail__', 'Trigger failure', the reason as its traceback).
+REAP_DEAD = f"""
+WITH dead AS (
+    SELECT id, probation FROM {SCHEMA}.consumer
+    WHERE expires_at < now() AND (queues && $1::text[] OR $2)
+    FOR UPDATE SKIP LOCKED
+), blamed AS (
+    SELECT s.trigger_id, s.owner_id,
+           (cardinality(d.probation) = 0 OR s.trigger_id = ANY(d.probation)) AS blame,
+           d.probation = ARRAY[s.trigger_id::bigint] AS alone
+    FROM {SCHEMA}.trigger_state s JOIN dead d ON s.owner_id = d.id
+), freed AS (
+    UPDATE {SCHEMA}.trigger_state s SET owner_id = NULL, published_at = now(),
+        failures = s.failures + b.blame::int,
+        quarantined_at = CASE WHEN b.blame AND (b.alone OR s.failures + 1 >= $3) THEN now() END,
+        last_error = CASE WHEN b.blame
+            THEN format('consumer %s died while running it (%s ungraceful losses)',
+                        b.owner_id, s.failures + 1)
+            ELSE s.last_error END
+    FROM blamed b WHERE s.trigger_id = b.trigger_id
+    RETURNING s.trigger_id, s.failures, s.quarantined_at IS NOT NULL AS quarantined, s.last_error
+), failed AS (
+    UPDATE task_instance ti SET state = 'scheduled', next_method = '__fail__',
+        next_kwargs = jsonb_build_object(
+            'error', 'Trigger failure',
+            'traceback', jsonb_build_array(format('triggerflow quarantined this trigger: %s',
+                                                  f.last_error))),
+        trigger_id = NULL, scheduled_dttm = now(), updated_at = now()
+    FROM freed f WHERE f.quarantined AND ti.trigger_id = f.trigger_id AND ti.state = 'deferred'
+), gone AS (
+    DELETE FROM {SCHEMA}.consumer WHERE id IN (SELECT id FROM dead) RETURNING id
+)
+SELECT f.trigger_id AS id, coalesce(t.queue, $4) AS queue, t.classpath, f.failures,
+       f.quarantined, (SELECT count(*) FROM gone) AS dead
+FROM freed f JOIN "trigger" t ON t.id = f.trigger_id
+"""
+
+# The backstop for wake-ups: Airflow trigger rows of a deferred task that nobody owns and that
+# were not published within the grace period (including rows never seen: inserted while no
+# listener was connected). Marks them published and returns them to re-send.
+RESEND_UNCLAIMED = f"""
+WITH due AS (
+    SELECT t.id, coalesce(t.queue, $5) AS queue
+    FROM "trigger" t
+    LEFT JOIN {SCHEMA}.trigger_state s ON s.trigger_id = t.id
+    WHERE (s.trigger_id IS NULL OR (s.owner_id IS NULL AND s.quarantined_at IS NULL
+                                    AND coalesce(s.published_at, '-infinity') <
+                                        now() - make_interval(secs => $3)))
+      AND t.created_date < now() - make_interval(secs => $3)
+      AND coalesce(t.queue, $5) IS NOT NULL
+      AND (coalesce(t.queue, $5) = ANY($1::text[]) OR $2)
+      AND EXISTS (SELECT 1 FROM task_instance ti
+                  WHERE ti.trigger_id = t.id AND ti.state = 'deferred')
+    ORDER BY t.id
+    LIMIT $4
+), marked AS (
+    INSERT INTO {SCHEMA}.trigger_state AS s (trigger_id, published_at)
+    SELECT id, now() FROM due
+    ON CONFLICT (trigger_id) DO UPDATE SET published_at = now() WHERE s.owner_id IS NULL
+    RETURNING s.trigger_id
+)
+SELECT due.id, due.queue FROM due JOIN marked ON marked.trigger_id = due.id
+"""
+
+# Wake-ups published by the NOTIFY listener: remember when, so the backstop leaves them be.
+MARK_PUBLISHED = f"""
+INSERT INTO {SCHEMA}.trigger_state AS s (trigger_id, published_at)
+SELECT unnest($1::int[]), now()
+ON CONFLICT (trigger_id) DO UPDATE SET published_at = now() WHERE s.owner_id IS NULL
+"""
+
+WAITING_QUEUES = f"""
+SELECT DISTINCT coalesce(t.queue, $2) AS queue
+FROM "trigger" t LEFT JOIN {SCHEMA}.trigger_state s ON s.trigger_id = t.id
+WHERE coalesce(t.queue, $2) IS NOT NULL AND s.owner_id IS NULL AND s.quarantined_at IS NULL
+  AND coalesce(s.published_at, t.created_date) < now() - make_interval(secs => $1)
+  AND EXISTS (SELECT 1 FROM task_instance ti WHERE ti.trigger_id = t.id AND ti.state = 'deferred')
+"""
+
+QUEUE_CONSUMERS = f"""
+SELECT q, count(c.id) AS consumers
+FROM unnest($1::text[]) AS q
+LEFT JOIN {SCHEMA}.consumer c ON c.kind = 'consumer' AND c.expires_at > now() AND q = ANY(c.queues)
+GROUP BY q
+"""
+
+# Trigger.clean_unused, whole-table, as Airflow's triggerer runs it each loop (the writer's
+# reaper runs it here, far less often): tasks no longer deferred let go of their trigger, then
+# rows nothing refers to are deleted, with their bookkeeping.
+DETACH_FINISHED = """
+UPDATE task_instance SET trigger_id = NULL, updated_at = now()
+WHERE state <> 'deferred' AND trigger_id IS NOT NULL
+"""
+
+DELETE_UNUSED = f"""
+WITH gone AS (
+    DELETE FROM "trigger" t
+    WHERE NOT EXISTS (SELECT 1 FROM task_instance ti WHERE ti.trigger_id = t.id)
+      AND NOT EXISTS (SELECT 1 FROM asset_watcher aw WHERE aw.trigger_id = t.id)
+      AND NOT EXISTS (SELECT 1 FROM callback cb WHERE cb.trigger_id = t.id)
+    RETURNING t.id
+), bookkeeping AS (
+    DELETE FROM {SCHEMA}.trigger_state s
+    WHERE s.trigger_id IN (SELECT id FROM gone)
+       OR NOT EXISTS (SELECT 1 FROM "trigger" t WHERE t.id = s.trigger_id)
+)
+SELECT count(*) FROM gone
+"""

@@ -1,0 +1,261 @@
+"""``AirflowStore``: the ``Store`` interface served from an Airflow 3.3 metadata database.
+
+Leases and bookkeeping live in triggerflow's schema; triggers, task instances and XComs are
+Airflow's rows, read as Airflow stores them and written as Airflow's own functions write them
+(``events``). What differs from the native store:
+
+* a trigger's queue is Airflow's ``trigger.queue`` (the deferring task's queue, with
+  ``[triggerer] queues_enabled``); rows without one belong to ``default_queue`` or, when that
+  is None, to nobody here (Airflow's own triggerer keeps serving them);
+* claimed kwargs are decoded by Airflow's code (``kwargs.decode_kwargs``) with the Fernet key
+  of Airflow's configuration; event bodies arrive already encoded by Airflow's serialisers
+  (``codec``), so the writer needs no Airflow import;
+* deferral, cancellation and trigger timeouts are Airflow's (API server, scheduler):
+  ``defer``/``undo_defer``/``cancel`` refuse, ``time_out_orphans`` does nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sys
+import time
+from collections.abc import AsyncIterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+import asyncpg
+
+from triggerflow.airflow import statements as sql
+from triggerflow.airflow.events import AirflowEvent, needs_airflow
+from triggerflow.airflow.events import apply_events as apply_airflow_events
+from triggerflow.store import (
+    Applied,
+    Cancelled,
+    ClaimResult,
+    EventRefused,
+    FreedTrigger,
+    KwargsError,
+    KwargsProblem,
+    NewDeferral,
+    ProcessKind,
+    Reaped,
+    Renewal,
+    StoreError,
+    StoreUnavailable,
+    TriggerRef,
+    TriggerSpec,
+)
+from triggerflow.wire import Event
+
+_DISCONNECTED: tuple[type[BaseException], ...] = (
+    OSError, asyncpg.InterfaceError, asyncpg.PostgresConnectionError,
+    asyncpg.CannotConnectNowError, asyncpg.AdminShutdownError,
+)
+# Bad content in an event body (not JSON, wrong JSON type): the batch is refused.
+_REFUSED: tuple[type[BaseException], ...] = (asyncpg.DataError,)
+
+
+def _scope(queues: Sequence[str] | None) -> tuple[list[str], bool]:
+    return ([], True) if queues is None else (list(queues), False)
+
+
+class AirflowStore:
+    """The store on one pool over Airflow's database (``dsn``; Airflow's own code, for the
+    events it applies, opens its own connections to it).
+
+    ``default_queue`` serves Airflow trigger rows that have no queue; None leaves them to
+    Airflow's own triggerer.
+    """
+
+    def __init__(self, pool: asyncpg.Pool, dsn: str, default_queue: str | None = None) -> None:
+        self.pool = pool
+        self.default_queue = default_queue
+        self.dsn = dsn  # for the events Airflow's own code applies (orm.py)
+
+    @classmethod
+    async def connect(cls, dsn: str, *, default_queue: str | None = None,
+                      max_size: int = 4) -> AirflowStore:
+        pool = await asyncpg.create_pool(
+            dsn, min_size=1, max_size=max_size,
+            server_settings={"application_name": "triggerflow-airflow"})
+        return cls(pool, dsn, default_queue)
+
+    async def close(self) -> None:
+        with contextlib.suppress(TimeoutError):
+            await self.pool.close()
+
+    # -- plumbing ------------------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def _errors(self) -> AsyncIterator[None]:
+        try:
+            yield
+        except _DISCONNECTED as exc:
+            raise StoreUnavailable(repr(exc)) from exc
+        except _REFUSED as exc:
+            raise EventRefused(str(exc)) from exc
+        except asyncpg.PostgresError as exc:
+            raise StoreError(repr(exc)) from exc
+
+    async def _fetch(self, query: str, *args: Any) -> list[asyncpg.Record]:
+        async with self._errors(), self.pool.acquire() as conn:
+            rows: list[asyncpg.Record] = await conn.fetch(query, *args)
+            return rows
+
+    async def _execute(self, query: str, *args: Any) -> None:
+        async with self._errors(), self.pool.acquire() as conn:
+            await conn.execute(query, *args)
+
+    def _spec(self, row: asyncpg.Record) -> TriggerSpec:
+        from cryptography.fernet import InvalidToken
+
+        from triggerflow.airflow.kwargs import decode_kwargs
+
+        kwargs: dict[str, Any] | None = None
+        problem: KwargsError | None = None
+        try:
+            kwargs = decode_kwargs(row["kwargs"])
+        except InvalidToken as exc:  # another process may hold the right Fernet key
+            problem = KwargsError(KwargsProblem.UNREADABLE_HERE,
+                                  f"kwargs not readable with this Fernet key: {exc!r}")
+        except Exception as exc:
+            problem = KwargsError(KwargsProblem.INVALID, repr(exc))
+        return TriggerSpec(row["id"], row["attempt"], sys.intern(row["queue"]),
+                           sys.intern(row["classpath"]), kwargs, problem, row["task"])
+
+    # -- a process's lease ----------------------------------------------------------------
+
+    async def register(self, kind: ProcessKind, host: str, pid: int, queues: Sequence[str],
+                       capacity: int, version: str, ttl: float) -> int:
+        rows = await self._fetch(sql.REGISTER, str(kind), host, pid, list(queues), capacity,
+                                 version, ttl)
+        return int(rows[0]["id"])
+
+    async def renew(self, me: int, ttl: float, running: int,
+                    queues: Sequence[str]) -> Renewal | None:
+        rows = await self._fetch(sql.RENEW, me, ttl, running, list(queues))
+        if not rows:
+            return None
+        row = rows[0]
+        return Renewal(row["dead_peers"], row["live_peers"], row["peers_running"])
+
+    async def unregister(self, me: int) -> None:
+        await self._execute(sql.UNREGISTER, me)
+
+    # -- consumer ------------------------------------------------------------------------
+
+    async def claim(self, me: int, ids: Sequence[int], queues: Sequence[str]) -> ClaimResult:
+        result = ClaimResult()
+        if not ids:
+            return result
+        for row in await self._fetch(sql.CLAIM, me, list(ids), list(queues), self.default_queue):
+            if row["outcome"] == "claimed":
+                result.claimed.append(self._spec(row))
+            elif row["outcome"] == "suspect":
+                result.suspects.append(row["id"])
+            else:
+                result.refused.append(TriggerRef(row["id"], row["queue"]))
+        return result
+
+    async def claim_probation(self, me: int, queues: Sequence[str]) -> list[TriggerSpec]:
+        rows = await self._fetch(sql.CLAIM_PROBATION, me, list(queues), self.default_queue)
+        return [self._spec(r) for r in rows]
+
+    async def clear_probation(self, me: int, ids: Sequence[int]) -> None:
+        await self._execute(sql.CLEAR_PROBATION, me, list(ids))
+
+    async def release(self, me: int, ids: Sequence[int] | None = None, *,
+                      cannot_load: bool = False, reason: str | None = None) -> list[TriggerRef]:
+        rows = await self._fetch(sql.RELEASE, me, None if ids is None else list(ids),
+                                 cannot_load, reason, self.default_queue)
+        return [TriggerRef(r["id"], r["queue"]) for r in rows]
+
+    async def other_loaders(self, trigger_id: int, me: int) -> int:
+        rows = await self._fetch(sql.OTHER_LOADERS, trigger_id, me, self.default_queue)
+        return int(rows[0]["count"]) if rows else 0
+
+    async def forget(self, me: int, ids: Sequence[int]) -> None:
+        await self._execute(sql.FORGET_HELD, list(ids), me)
+
+    async def sweep_cancelled(self, me: int) -> list[int]:
+        return [r["id"] for r in await self._fetch(sql.SWEEP_CANCELLED, me)]
+
+    # -- writer --------------------------------------------------------------------------
+
+    async def apply_events(self, events: Sequence[Event]) -> list[Applied]:
+        """``Event.payload`` is the body ``codec`` encoded (see ``events.AirflowEvent``)."""
+        batch = [AirflowEvent(e.trigger_id, e.attempt, e.queue, e.kind, e.payload, e.fired_at)
+                 for e in events]
+        async with self._errors(), self.pool.acquire() as conn:
+            rows = await apply_airflow_events(conn, batch, self.default_queue)
+        applied = [Applied(r["kind"], r["queue"], r["latency"]) for r in rows]
+        rest = needs_airflow(batch, {r["trigger_id"] for r in rows})
+        if rest:
+            from sqlalchemy.exc import OperationalError, SQLAlchemyError
+
+            from triggerflow.airflow.orm import apply_with_airflow
+
+            try:
+                done = await asyncio.to_thread(apply_with_airflow, self.dsn, rest,
+                                               self.default_queue)
+            except OperationalError as exc:
+                raise StoreUnavailable(repr(exc)) from exc
+            except SQLAlchemyError as exc:
+                raise StoreError(repr(exc)) from exc
+            applied += [Applied(e.kind, e.queue, time.time() - e.fired_at) for e in done]
+        return applied
+
+    # -- reaper ----------------------------------------------------------------------------
+
+    async def reap_dead(self, queues: Sequence[str] | None, max_failures: int) -> Reaped:
+        rows = await self._fetch(sql.REAP_DEAD, *_scope(queues), max_failures,
+                                 self.default_queue)
+        freed = [FreedTrigger(r["id"], r["queue"], r["classpath"], r["failures"],
+                              r["quarantined"]) for r in rows]
+        return Reaped(freed, rows[0]["dead"] if rows else 0)
+
+    async def resend_unclaimed(self, queues: Sequence[str] | None, grace: float,
+                               limit: int) -> list[TriggerRef]:
+        rows = await self._fetch(sql.RESEND_UNCLAIMED, *_scope(queues), grace, limit,
+                                 self.default_queue)
+        return [TriggerRef(r["id"], r["queue"]) for r in rows]
+
+    async def mark_published(self, ids: Sequence[int]) -> None:
+        """Wake-ups sent for these rows (by the NOTIFY listener): the backstop skips them."""
+        await self._execute(sql.MARK_PUBLISHED, list(ids))
+
+    async def time_out_orphans(self, queues: Sequence[str] | None,
+                               max_deferral: float) -> list[int]:
+        return []  # Airflow's scheduler times deferred tasks out (check_trigger_timeouts)
+
+    async def clean_unused(self) -> int:
+        """``Trigger.clean_unused``, whole-table; returns how many trigger rows went."""
+        async with self._errors(), self.pool.acquire() as conn, conn.transaction():
+            await conn.execute(sql.DETACH_FINISHED)
+            return int(await conn.fetchval(sql.DELETE_UNUSED))
+
+    async def waiting_queues(self, grace: float) -> list[str]:
+        return [r["queue"] for r in await self._fetch(sql.WAITING_QUEUES, grace,
+                                                      self.default_queue)]
+
+    async def queue_consumers(self, queues: Sequence[str]) -> dict[str, int]:
+        rows = await self._fetch(sql.QUEUE_CONSUMERS, list(queues))
+        return {r["q"]: int(r["consumers"]) for r in rows}
+
+    # -- SDK: Airflow defers and cancels through its own API server ---------------------
+
+    async def defer(self, deferrals: Sequence[NewDeferral]) -> list[int]:
+        raise StoreError("in Airflow mode tasks defer through Airflow, not triggerflow's SDK")
+
+    async def undo_defer(self, ids: Sequence[int], error: str) -> None:
+        raise StoreError("in Airflow mode tasks defer through Airflow, not triggerflow's SDK")
+
+    async def cancel(self, ids: Sequence[int], state: str) -> list[Cancelled]:
+        raise StoreError("in Airflow mode tasks are cleared or marked through Airflow")
+
+
+if TYPE_CHECKING:
+    from triggerflow.store import Store
+
+    def _is_a_store(store: AirflowStore) -> Store:
+        return store  # mypy checks AirflowStore against the Protocol here

@@ -1,0 +1,72 @@
+"""Airflow's own timer triggers on triggerflow's timer heap.
+
+``DateTimeTrigger`` (and ``TimeDeltaTrigger``, which stores itself as a ``DateTimeTrigger``)
+only waits for ``moment``. Run as Airflow runs it, each waiting one is a coroutine that wakes
+every few seconds; here it becomes one heap entry, and the event is what Airflow's ``run()``
+would have yielded: ``TriggerEvent(self.moment)`` — a UTC ``pendulum.DateTime`` — or, with
+``end_from_trigger``, ``TaskSuccessEvent()`` (no XComs).
+
+Templated ``target_time`` (``start_from_trigger`` with a Jinja template) is not rendered here:
+such a trigger is not mapped and runs as Airflow's coroutine, which fails the way Airflow's
+triggerer would without its template context.
+
+Importing this module imports Airflow (``triggerflow[airflow]``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pendulum
+from airflow._shared.timezones import timezone
+from airflow.providers.standard.triggers.temporal import DateTimeTrigger, TimeDeltaTrigger
+
+from triggerflow.model import EventKind
+from triggerflow.triggers.base import TimerTrigger, TriggerEvent
+
+
+class AirflowMoment(TimerTrigger):
+    """``DateTimeTrigger(moment)``: resumes the task with the moment, as a UTC DateTime."""
+
+    def __init__(self, deadline: float) -> None:
+        self._deadline = deadline
+
+    def deadline(self) -> float:
+        return self._deadline
+
+    @staticmethod
+    def timer_payload(deadline: float) -> Any:
+        # The moment Airflow's run() yields: convert_to_utc of the parsed or given datetime.
+        return timezone.convert_to_utc(pendulum.from_timestamp(deadline, tz="UTC"))
+
+    def serialize(self) -> tuple[str, dict[str, Any]]:
+        return f"{type(self).__module__}.{type(self).__qualname__}", {"deadline": self._deadline}
+
+    async def run(self) -> Any:  # never called: the runner keeps timers on its heap
+        raise NotImplementedError
+        yield TriggerEvent()  # pragma: no cover - makes this an async generator
+
+
+class AirflowMomentSuccess(AirflowMoment):
+    """``DateTimeTrigger(moment, end_from_trigger=True)``: ends the task successfully."""
+
+    timer_kind = EventKind.SUCCESS
+
+    @staticmethod
+    def timer_payload(deadline: float) -> Any:
+        return None  # TaskSuccessEvent() carries no XComs
+
+
+def as_timer(trigger: Any) -> TimerTrigger | None:
+    """The heap timer standing for an Airflow trigger, or None when it must run as itself."""
+    if type(trigger) not in (DateTimeTrigger, TimeDeltaTrigger):  # a subclass may override run()
+        return None
+    target = trigger.target_time
+    if trigger._moment is None and isinstance(target, str) and "{" in target:
+        return None  # an unrendered template
+    try:
+        deadline = trigger.moment.timestamp()
+    except (TypeError, ValueError):
+        return None  # let Airflow's run() raise it, as it would in Airflow's triggerer
+    cls = AirflowMomentSuccess if trigger.end_from_trigger else AirflowMoment
+    return cls(deadline)
