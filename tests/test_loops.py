@@ -13,12 +13,12 @@ import pytest
 
 from triggerflow.consumer import Consumer
 from triggerflow.consumer.rebalance import excess
-from triggerflow.model import TaskKey, TaskState
+from triggerflow.model import EventKind, TaskKey, TaskState
 from triggerflow.settings import Settings
 from triggerflow.store import ClaimResult, ProcessKind, StoreUnavailable
 from triggerflow.testing import InMemory, ManualClock, MemoryStore
 from triggerflow.triggers import DateTimeTrigger, TimeDeltaTrigger
-from triggerflow.wire import Event, decode_wakeup, encode_events
+from triggerflow.wire import EVENT_KINDS, Event, WireError, decode_events, decode_wakeup, encode_events
 from triggerflow.writer import Writer
 
 QUEUE = "team-a"
@@ -307,6 +307,31 @@ async def test_writer_dead_letters_events_forged_by_another_team(mem: InMemory) 
         await until(lambda: bool(mem.broker.dead))
     assert mem.store.task(key(1)).state == TaskState.DEFERRED
     assert mem.broker.dead[0].reason is not None and "forged" in mem.broker.dead[0].reason
+
+
+async def test_writer_applies_an_event_only_under_its_own_queues_routing_key(
+    mem: InMemory,
+) -> None:
+    """No team_users set: an event for queue B's trigger published under A's key is forged."""
+    s = fast_settings()
+    mem.broker.declare("team-b")
+    async with mem.client(s) as client:
+        [tid] = await client.defer_many([_deferral(1)])
+    me = await mem.store.register(ProcessKind.CONSUMER, "h", 1, [QUEUE], 10, "v", ttl=60)
+    await mem.store.claim(me, [tid], [QUEUE])
+    intruder = mem.transport()
+    await intruder.connect()
+    async with running(Writer(s, mem.store, mem.transport())):
+        await intruder.publish_events("team-b", [Event(tid, 1, QUEUE, "success", "1", 0.0)])
+        await until(lambda: bool(mem.broker.dead))
+    assert mem.store.task(key(1)).state == TaskState.DEFERRED
+    assert mem.broker.dead[0].reason is not None and "routing key" in mem.broker.dead[0].reason
+
+
+def test_wire_event_kinds_are_the_models() -> None:
+    assert {str(k) for k in EventKind} == EVENT_KINDS
+    with pytest.raises(WireError, match="unknown event kind"):
+        decode_events(b'{"v": 2, "events": [[1, 1, "q", "state-of-my-choice", "1", 0.0]]}')
 
 
 # ----------------------------------------------------------------------------- flow control

@@ -136,3 +136,12 @@ async def test_runner_fires_timers_from_one_heap_and_times_out_tasks(tmp_path: A
     assert kinds[5002] == EventKind.FAIL and 5003 not in kinds
     assert (tmp_path / "cleanup-5000").exists() and (tmp_path / "cleanup-5003").exists()
     assert len(runner) == 0
+
+
+def test_payload_with_undecodable_file_name_is_a_payload_error() -> None:
+    import os
+
+    from triggerflow.wire import PayloadError, validate_payload
+
+    with pytest.raises(PayloadError, match="not valid UTF-8"):
+        validate_payload({"path": os.fsdecode(b"/data/report-\xff.csv")}, 1 << 20)

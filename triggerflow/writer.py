@@ -39,7 +39,7 @@ class Received:
     message: Delivery
     events: list[Event]
     reject: str | None = None
-    forged: list[Event] = field(default_factory=list)
+    forged: list[tuple[Event, str]] = field(default_factory=list)  # (event, why refused)
 
 
 def _log_unavailable(state: RetryCallState) -> None:
@@ -153,15 +153,31 @@ class Writer:
             events = decode_events(message.body)
         except WireError as exc:
             return Received(message, [], reject=str(exc))
-        owners = self.settings.team_users
-        if not owners:
-            return Received(message, events)
         kept: list[Event] = []
-        forged: list[Event] = []
+        forged: list[tuple[Event, str]] = []
         for ev in events:
-            owner = owners.get(ev.queue)
-            (forged if owner is not None and owner != message.user_id else kept).append(ev)
+            why = self._forged(ev, message)
+            if why is None:
+                kept.append(ev)
+            else:
+                forged.append((ev, why))
         return Received(message, kept, forged=forged)
+
+    def _forged(self, ev: Event, message: Delivery) -> str | None:
+        """Why ``ev`` may not be applied from this message, or None when it may.
+
+        Topic permissions pin a team's user to its own routing keys, so the routing key
+        names the publishing team's queue: an event for another queue's trigger is forged,
+        whatever ``team_users`` says. Where ``team_users`` names the queue's user, RabbitMQ's
+        validated ``user_id`` must match it as well.
+        """
+        if ev.queue != message.routing_key:
+            return (f"forged: routing key {message.routing_key!r} may not carry events of "
+                    f"{ev.queue!r}")
+        owner = self.settings.team_users.get(ev.queue)
+        if owner is not None and owner != message.user_id:
+            return f"forged: user {message.user_id!r} may not publish events of {ev.queue}"
+        return None
 
     async def _commit(self, batch: list[Received]) -> None:
         """Apply, retrying while the store is unreachable; ack only after the commit."""
@@ -180,11 +196,8 @@ class Writer:
         for d in batch:
             if d.reject:
                 await self._dead_letter(d.message.body, d.reject, d.message.routing_key)
-            for ev in d.forged:
-                await self._dead_letter(
-                    encode_events([ev]),
-                    f"forged: user {d.message.user_id!r} may not publish events of {ev.queue}",
-                    ev.queue)
+            for ev, why in d.forged:
+                await self._dead_letter(encode_events([ev]), why, d.message.routing_key)
         # One ack for the whole batch: everything up to the last tag is durable.
         await batch[-1].message.ack(multiple=True)
         self.applied_total += applied
