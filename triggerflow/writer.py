@@ -23,9 +23,9 @@ from triggerflow.model import EventKind, FailureReason
 from triggerflow.reaper import Reaper
 from triggerflow.runner import failure
 from triggerflow.settings import Settings
-from triggerflow.store import Applied, EventRefused, ProcessKind, Store, StoreError, StoreUnavailable
+from triggerflow.store import Applied, EventRefused, ProcessKind, Store, StoreError
 from triggerflow.telemetry import context_from, get_metrics, tracer, tracing_enabled
-from triggerflow.transport import Delivery, Transport
+from triggerflow.transport import Delivery, Transport, TransportUnavailable
 from triggerflow.transport.subscriptions import Subscriptions
 from triggerflow.wire import Event, WireError, decode_events, encode_events, encode_json
 
@@ -42,9 +42,9 @@ class Received:
     forged: list[tuple[Event, str]] = field(default_factory=list)  # (event, why refused)
 
 
-def _log_unavailable(state: RetryCallState) -> None:
+def _log_retry(state: RetryCallState) -> None:
     exc = state.outcome.exception() if state.outcome else None
-    log.warning("database unavailable (%r); retrying the batch", exc)
+    log.warning("batch not applied (%r); retrying it", exc)
 
 
 class Writer:
@@ -180,14 +180,20 @@ class Writer:
         return None
 
     async def _commit(self, batch: list[Received]) -> None:
-        """Apply, retrying while the store is unreachable; ack only after the commit."""
+        """Apply, retrying with backoff on any store error; ack only after the commit.
+
+        Not only a lost connection is transient: a read-only database during failover or a
+        statement timeout under a row lock pass too. Giving up would return the deliveries
+        and spend their delivery limit, so the batch is retried until it goes through (a
+        content error never gets here: ``_apply`` splits it out).
+        """
         events = self._dedupe([ev for d in batch for ev in d.events])
         started = time.perf_counter()
         applied = 0
         async for attempt in AsyncRetrying(
-            retry=retry_if_exception_type(StoreUnavailable),
+            retry=retry_if_exception_type(StoreError),
             wait=wait_exponential_jitter(multiplier=0.2, max=5, jitter=0.2),
-            before_sleep=_log_unavailable,
+            before_sleep=_log_retry,
         ):
             with attempt:
                 applied = await self._apply(events)
@@ -198,9 +204,15 @@ class Writer:
                 await self._dead_letter(d.message.body, d.reject, d.message.routing_key)
             for ev, why in d.forged:
                 await self._dead_letter(encode_events([ev]), why, d.message.routing_key)
-        # One ack for the whole batch: everything up to the last tag is durable.
-        await batch[-1].message.ack(multiple=True)
         self.applied_total += applied
+        # One ack for the whole batch: everything up to the last tag is durable.
+        try:
+            await batch[-1].message.ack(multiple=True)
+        except TransportUnavailable as exc:
+            # The connection dropped after the commit: the deliveries return to the queue and
+            # come back once the subscriptions reconnect; applied already, they match nothing.
+            log.warning("ack of a committed batch failed (%r); its redelivery will be ignored",
+                        exc)
 
     @staticmethod
     def _dedupe(events: list[Event]) -> list[Event]:
