@@ -4,21 +4,32 @@ cancel only what the store confirms; refused deferrals leak nothing."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import os
 import time
+import uuid
 from pathlib import Path
 
-from tests.conftest import Processes, wait_until
+import aio_pika
+import aiormq
+import pytest
+from yarl import URL
+
+from tests.conftest import ROOT, Processes, SuiteServices, wait_until
 from tests.test_bad_input import dead_letters, insert_trigger
-from tests.triggers import EventAfter
+from tests.triggers import EventAfter, WaitsForever
 from triggerflow.model import TaskKey
 from triggerflow.sdk import TriggerflowClient
 from triggerflow.settings import Settings
 from triggerflow.store.postgres import Database
+from triggerflow.transport import Delivery
 from triggerflow.transport.rabbitmq import RabbitTransport, Topology
 from triggerflow.triggers.file import FileTrigger
-from triggerflow.wire import Event, encode_events
+from triggerflow.wire import Event, encode_control, encode_events
+
+DEFINITIONS = ROOT / "brokers" / "rabbitmq" / "definitions.json"
 
 
 async def publish_raw(settings: Settings, routing_key: str, events: list[Event] | bytes) -> None:
@@ -109,3 +120,93 @@ async def test_non_utf8_file_name_ends_the_task_with_a_readable_failure(
     await wait_until(lambda: db.fetchval(
         "SELECT next_kwargs->>'event' = 'still-serving' FROM task_instance "
         "WHERE task_id = 'after'"), 15)
+
+
+async def test_forged_cancel_is_ignored_and_squatted_control_names_change_nothing(
+    client: TriggerflowClient, db: Database, procs: Processes, teams: list[str],
+    settings: Settings, tmp_path: Path,
+) -> None:
+    """With the sweep off: a team pre-declares the control queue names consumers used to
+    take and publishes a cancel for a deferred task; the consumer still serves, ignores the
+    forged cancel, and cancels at once through the real control path."""
+    topo = Topology(settings.namespace)
+    conn = await aio_pika.connect(settings.amqp_dsn())
+    try:
+        ch = await conn.channel()
+        control = await ch.get_exchange(topo.control)
+        for i in range(1, 6):  # the ids the first consumers of this database get
+            squat = await ch.declare_queue(f"{topo.control}.{i}", durable=True)
+            await squat.bind(control, str(i))
+        procs.consume(teams[0], cancel_sweep_interval=3600)
+        tid = await client.defer(TaskKey("c", "t", "r"), WaitsForever(marker_dir=str(tmp_path)),
+                                 queue=teams[0])
+        await wait_until(lambda: asyncio.sleep(0, (tmp_path / f"started-{tid}").exists()), 15,
+                         message="trigger started despite the squatted names")
+        owner = await db.fetchval("SELECT owner_id FROM trigger WHERE id = $1", tid)
+        await control.publish(aio_pika.Message(encode_control("cancel", [tid])),
+                              routing_key=str(owner))
+        await asyncio.sleep(2)
+        assert not (tmp_path / f"cleanup-{tid}").exists(), "a forged cancel stopped the trigger"
+        assert await db.fetchval("SELECT state FROM task_instance") == "deferred"
+        assert await db.fetchval("SELECT owner_id FROM trigger WHERE id = $1", tid) == owner
+        started = time.monotonic()
+        assert await client.cancel([tid]) == 1
+        await wait_until(lambda: asyncio.sleep(0, (tmp_path / f"cleanup-{tid}").exists()), 5,
+                         message="cleanup after the real cancel")
+        assert time.monotonic() - started < 2, "cancelled by the control message, not a sweep"
+        await wait_until(lambda: db.fetchval("SELECT count(*) = 0 FROM trigger"), 5)
+    finally:
+        with contextlib.suppress(Exception):
+            ch = await conn.channel()
+            for i in range(1, 6):
+                await ch.queue_delete(f"{topo.control}.{i}")
+        await conn.close()
+
+
+async def test_shipped_team_permissions_let_a_consumer_take_only_a_server_named_control_queue(
+    services: SuiteServices,
+) -> None:
+    """team-ml's permissions from definitions.json, on the suite's own node: a consumer gets
+    its server-named control queue and its messages; the names a team could squat are refused."""
+    node = services.rabbit()
+    perms = next(p for p in json.loads(DEFINITIONS.read_text())["permissions"]
+                 if p["user"] == "team-ml")
+    tag = uuid.uuid4().hex[:8]
+    vhost, user = f"tfiso-{tag}", f"tfiso-ml-{tag}"
+    base = URL(services.amqp)
+    node.ctl("add_vhost", vhost)
+    node.ctl("add_user", user, user)
+    try:
+        node.ctl("set_permissions", "-p", vhost, user,
+                 perms["configure"], perms["write"], perms["read"])
+        node.ctl("set_permissions", "-p", vhost, base.user or "guest", ".*", ".*", ".*")
+        topo = Topology()  # the shipped "triggerflow" names the permissions are written for
+        admin = RabbitTransport(str(base.with_path("/" + vhost)), topo)
+        team = RabbitTransport(str(base.with_path("/" + vhost).with_user(user)
+                                   .with_password(user)), topo)
+        await admin.connect()
+        await admin.declare(["team-ml"])
+        await team.connect()
+        got: list[bytes] = []
+
+        async def on_control(delivery: Delivery) -> None:
+            got.append(delivery.body)
+            await delivery.ack()
+
+        await team.subscribe_control(7, on_control, prefetch=10)
+        await admin.publish_control(7, "cancel", [1])
+        await wait_until(lambda: asyncio.sleep(0, got), 5, message="control message received")
+        for squat in ("triggerflow.control.8", "amq.gen-squat"):
+            conn = await aio_pika.connect(str(base.with_path("/" + vhost).with_user(user)
+                                              .with_password(user)))
+            try:
+                ch = await conn.channel()
+                with pytest.raises(aiormq.exceptions.ChannelAccessRefused):
+                    await ch.declare_queue(squat, durable=True)
+            finally:
+                await conn.close()
+        await team.close()
+        await admin.close()
+    finally:
+        node.ctl("delete_vhost", vhost)
+        node.ctl("delete_user", user)

@@ -473,6 +473,24 @@ async def test_sweep_cancels_what_the_control_message_missed(mem: InMemory) -> N
         assert tid not in mem.store.triggers
 
 
+async def test_control_cancel_stops_only_what_the_store_confirms(mem: InMemory) -> None:
+    """Sweep off: a cancel for a task still deferred is ignored (anyone may publish one);
+    once the task left ``deferred``, the control message cancels at once."""
+    s = fast_settings(cancel_sweep_interval=3600)
+    consumer = Consumer(s, mem.store, mem.transport())
+    async with running(consumer), mem.client(s) as client:
+        [tid] = await client.defer_many([_deferral(1)])
+        await until(lambda: tid in consumer.runner.running)
+        intruder = mem.transport(user="team-b-user")
+        await intruder.connect()
+        await intruder.publish_control(consumer.me, "cancel", [tid])
+        await asyncio.sleep(0.3)
+        assert tid in consumer.runner.running and tid in mem.store.triggers
+        assert await client.cancel([tid]) == 1
+        await until(lambda: tid not in consumer.runner.running, timeout=1)
+        assert tid not in mem.store.triggers
+
+
 # ----------------------------------------------------------------------------- subscriptions
 
 

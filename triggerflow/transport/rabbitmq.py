@@ -127,9 +127,6 @@ class Topology:
     def control(self) -> str:
         return f"{self.namespace}.control"
 
-    def control_queue(self, consumer_id: int) -> str:
-        return f"{self.namespace}.control.{consumer_id}"
-
     def exchanges(self) -> dict[str, str]:
         return {
             self.deferrals: "topic",
@@ -305,8 +302,9 @@ class RabbitTransport:
 
     async def subscribe_control(self, consumer_id: int, handler: DeliveryHandler, *,
                                 prefetch: int) -> str:
-        name = self.topology.control_queue(consumer_id)
-        q, tag = await self._consume(name, handler, prefetch, exclusive=True, auto_delete=True)
+        # Server-named ("amq.gen-…"): no client may declare a name under "amq.", so no team
+        # can take a consumer's control queue before it exists.
+        q, tag = await self._consume("", handler, prefetch, exclusive=True, auto_delete=True)
         async with _connection_errors():
             await q.bind(self.topology.control, str(consumer_id))
         return tag
