@@ -10,6 +10,7 @@ import json
 import os
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import aio_pika
@@ -21,10 +22,10 @@ from tests.conftest import ROOT, Processes, SuiteServices, wait_until
 from tests.test_bad_input import dead_letters, insert_trigger
 from tests.triggers import EventAfter, WaitsForever
 from triggerflow.model import TaskKey
-from triggerflow.sdk import TriggerflowClient
+from triggerflow.sdk import Deferral, TriggerflowClient
 from triggerflow.settings import Settings
 from triggerflow.store.postgres import Database
-from triggerflow.transport import Delivery
+from triggerflow.transport import Delivery, PublishRefused
 from triggerflow.transport.rabbitmq import RabbitTransport, Topology
 from triggerflow.triggers.file import FileTrigger
 from triggerflow.wire import Event, encode_control, encode_events
@@ -210,3 +211,48 @@ async def test_shipped_team_permissions_let_a_consumer_take_only_a_server_named_
     finally:
         node.ctl("delete_vhost", vhost)
         node.ctl("delete_user", user)
+
+
+@contextlib.contextmanager
+def team_user(services: SuiteServices, namespace: str, queue: str) -> Iterator[str]:
+    """A user on the suite's node that may defer only into ``queue``; yields its AMQP URL."""
+    node = services.rabbit()
+    user = f"tfiso-{uuid.uuid4().hex[:8]}"
+    node.ctl("add_user", user, user)
+    try:
+        node.ctl("set_permissions", user, ".*", ".*", ".*")
+        node.ctl("set_topic_permissions", user, f"{namespace}.deferrals", f"^{queue}$", f"^{queue}$")
+        yield str(URL(services.amqp).with_user(user).with_password(user))
+    finally:
+        node.ctl("delete_user", user)
+
+
+def connections_of(services: SuiteServices, user: str) -> int:
+    return sum(1 for line in services.rabbit().ctl("list_connections", "user").splitlines()
+               if line.strip() == user)
+
+
+async def test_refused_multi_queue_deferral_keeps_what_was_published_and_leaks_nothing(
+    db: Database, teams: list[str], settings: Settings, topology: Topology,
+    services: SuiteServices,
+) -> None:
+    with team_user(services, settings.namespace, teams[0]) as url:
+        user = URL(url).user
+        mine = Settings(**{**settings.model_dump(), "amqp_url": url})
+        async with TriggerflowClient(mine) as c:
+            with pytest.raises(PublishRefused):
+                await c.defer_many([
+                    Deferral(TaskKey("m", "mine", "r"), WaitsForever(marker_dir="/"), teams[0]),
+                    Deferral(TaskKey("m", "theirs", "r"), WaitsForever(marker_dir="/"), teams[1]),
+                ])
+            rows = dict(await db.fetch("SELECT task_id, state FROM task_instance"))
+            # The wake-up for teams[0] went out: that task stays deferred and will run.
+            assert rows == {"mine": "deferred", "theirs": "failed"}
+            for i in range(5):
+                with pytest.raises(PublishRefused):
+                    await c.defer(TaskKey("m", f"again{i}", "r"), WaitsForever(marker_dir="/"),
+                                  queue=teams[1])
+            await asyncio.sleep(1)  # let the broker list what is still open
+            assert connections_of(services, user) <= 1
+            await c.defer(TaskKey("m", "after", "r"), WaitsForever(marker_dir="/"), queue=teams[0])
+            assert connections_of(services, user) == 1

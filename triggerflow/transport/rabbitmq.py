@@ -160,6 +160,10 @@ class RabbitTransport:
         self.user = URL(url).user or "guest"
 
     async def connect(self) -> None:
+        if self.connection is not None and not self.connection.is_closed:
+            # Reconnecting after the broker closed only our channel (a refused publish):
+            # the old connection would stay open on the broker otherwise.
+            await self.close()
         self.closed.clear()
         async with _connection_errors():
             self.connection = await aio_pika.connect(
