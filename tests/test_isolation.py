@@ -10,11 +10,12 @@ import json
 import os
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import aio_pika
 import aiormq
+import asyncpg
 import pytest
 from yarl import URL
 
@@ -24,6 +25,7 @@ from tests.triggers import EventAfter, WaitsForever
 from triggerflow.model import TaskKey
 from triggerflow.sdk import Deferral, TriggerflowClient
 from triggerflow.settings import Settings
+from triggerflow.store import StoreError
 from triggerflow.store.postgres import Database
 from triggerflow.transport import Delivery, PublishRefused
 from triggerflow.transport.rabbitmq import RabbitTransport, Topology
@@ -256,3 +258,52 @@ async def test_refused_multi_queue_deferral_keeps_what_was_published_and_leaks_n
             assert connections_of(services, user) <= 1
             await c.defer(TaskKey("m", "after", "r"), WaitsForever(marker_dir="/"), queue=teams[0])
             assert connections_of(services, user) == 1
+
+
+SDK_GRANTS = """
+GRANT SELECT, INSERT, DELETE ON trigger TO {r};
+GRANT SELECT, INSERT, UPDATE ON task_instance TO {r};
+GRANT SELECT ON consumer TO {r};
+GRANT USAGE ON SEQUENCE trigger_id_seq TO {r};
+"""
+
+
+@contextlib.asynccontextmanager
+async def team_role(db: Database, dsn: str, queue: str) -> AsyncIterator[str]:
+    """A login role with the documented SDK grants, listed in team_queue for ``queue``."""
+    role = f"tfiso_{uuid.uuid4().hex[:10]}"
+    await db.execute(f'CREATE ROLE "{role}" LOGIN')
+    try:
+        await db.execute(SDK_GRANTS.format(r=f'"{role}"'))
+        await db.execute("INSERT INTO team_queue (role, queue) VALUES ($1, $2)", role, queue)
+        yield str(URL(dsn).with_user(role))
+    finally:
+        await db.execute(f'DROP OWNED BY "{role}"')
+        await db.execute(f'DROP ROLE "{role}"')
+
+
+async def test_team_database_role_reaches_only_its_own_queues_rows(
+    db: Database, dsn: str, teams: list[str], settings: Settings, topology: Topology,
+) -> None:
+    theirs = await insert_trigger(db, "tests.triggers.EventAfter", "{}", teams[1], 1)
+    async with team_role(db, dsn, teams[0]) as dsn_a:
+        team_a = Settings(**{**settings.model_dump(), "database_url": dsn_a})
+        async with TriggerflowClient(team_a) as c:
+            mine = await c.defer(TaskKey("a", "mine", "r"), EventAfter(), queue=teams[0])
+            with pytest.raises(StoreError, match="row-level security"):
+                await c.defer(TaskKey("a", "theirs", "r"), EventAfter(), queue=teams[1])
+            with pytest.raises(StoreError, match="row-level security"):  # overwrite B's task
+                await c.defer(TaskKey("bad", "t1", "r"), EventAfter(), queue=teams[0])
+            assert await c.cancel([theirs]) == 0
+        conn = await asyncpg.connect(dsn_a)
+        try:
+            assert [r["id"] for r in await conn.fetch("SELECT id FROM trigger")] == [mine]
+            with pytest.raises(asyncpg.InsufficientPrivilegeError):
+                await conn.execute("INSERT INTO trigger (classpath, kwargs, queue) "
+                                   "VALUES ('tests.triggers.EventAfter', '{}', $1)", teams[1])
+            assert await conn.execute("DELETE FROM trigger WHERE id = $1", theirs) == "DELETE 0"
+        finally:
+            await conn.close()
+    rows = dict(await db.fetch("SELECT task_id, state FROM task_instance"))
+    assert rows == {"t1": "deferred", "mine": "deferred"}
+    assert await db.fetchval("SELECT count(*) FROM trigger") == 2
