@@ -307,3 +307,42 @@ async def test_team_database_role_reaches_only_its_own_queues_rows(
     rows = dict(await db.fetch("SELECT task_id, state FROM task_instance"))
     assert rows == {"t1": "deferred", "mine": "deferred"}
     assert await db.fetchval("SELECT count(*) FROM trigger") == 2
+
+
+async def test_kwargs_keys_per_team_with_rotation(
+    db: Database, procs: Processes, teams: list[str], settings: Settings, topology: Topology,
+) -> None:
+    """Each team's triggers are encrypted with its own key; a consumer holding the new and
+    the old key of its team runs rows written under either, and the new key encrypts."""
+    from cryptography.fernet import Fernet, InvalidToken
+
+    a_old, a_new, b = (Fernet.generate_key().decode() for _ in range(3))
+
+    def sdk(keys: dict[str, str]) -> TriggerflowClient:
+        return TriggerflowClient(Settings(**{**settings.model_dump(), "kwargs_keys": keys}))
+
+    def token(stored: str) -> bytes:
+        assert stored.startswith("fernet:") and "hunter2" not in stored
+        return stored.removeprefix("fernet:").encode()
+
+    async with sdk({teams[0]: a_old, teams[1]: b}) as c:
+        first = await c.defer(TaskKey("k", "old", "r"), EventAfter(payload="old-ok",
+                                                                   password="hunter2"),
+                              queue=teams[0])
+        theirs = await c.defer(TaskKey("k", "b", "r"), EventAfter(password="hunter2"),
+                               queue=teams[1])
+    stored_a = await db.fetchval("SELECT kwargs FROM trigger WHERE id = $1", first)
+    stored_b = await db.fetchval("SELECT kwargs FROM trigger WHERE id = $1", theirs)
+    Fernet(a_old.encode()).decrypt(token(stored_a))
+    with pytest.raises(InvalidToken):  # team a's key does not open team b's row
+        Fernet(a_old.encode()).decrypt(token(stored_b))
+    procs.writer()
+    procs.consume(teams[0], kwargs_keys=json.dumps({teams[0]: f"{a_new},{a_old}"}))
+    async with sdk({teams[0]: f"{a_new},{a_old}"}) as c:
+        second = await c.defer(TaskKey("k", "new", "r"), EventAfter(payload="new-ok"),
+                               queue=teams[0])
+        stored_new = await db.fetchval("SELECT kwargs FROM trigger WHERE id = $1", second)
+        Fernet(a_new.encode()).decrypt(token(stored_new))
+    await wait_until(lambda: db.fetchval(
+        "SELECT count(*) = 2 FROM task_instance WHERE next_kwargs->>'event' IN "
+        "('old-ok', 'new-ok')"), 15, message="both generations of rows ran")

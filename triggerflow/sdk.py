@@ -102,9 +102,7 @@ class TriggerflowClient:
                  connect: Connect | None = None) -> None:
         self.settings = settings or Settings()
         self.max_connections = max_connections
-        self.codec = KwargsCodec(
-            self.settings.kwargs_key.get_secret_value() if self.settings.kwargs_key else None
-        )
+        self.codec = KwargsCodec.from_secrets(self.settings.kwargs_key, self.settings.kwargs_keys)
         self._connect_fn = connect or _connect_real
         self._store: Store | None = None
         self._transport: Transport | None = None
@@ -255,7 +253,7 @@ class TriggerflowClient:
                     f"trigger class {classpath!r} is outside the allowed modules {s.allowed_modules}"
                 )
             try:
-                stored = self.codec.encode(kwargs)
+                stored = self.codec.encode(kwargs, d.queue)
                 next_kwargs = encode_json(d.kwargs)
             except Exception as exc:
                 raise DeferralError(f"kwargs of {classpath} are not JSON-serializable: {exc}") from None

@@ -124,7 +124,7 @@ class MemoryStore:
         kwargs: dict[str, Any] | None = None
         problem: KwargsError | None = None
         try:
-            kwargs = self.codec.decode(t.kwargs)
+            kwargs = self.codec.decode(t.kwargs, t.queue)
         except MissingKey as exc:
             problem = KwargsError(KwargsProblem.UNREADABLE_HERE, str(exc))
         except Exception as exc:
