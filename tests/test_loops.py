@@ -13,12 +13,12 @@ import pytest
 
 from triggerflow.consumer import Consumer
 from triggerflow.consumer.rebalance import excess
-from triggerflow.model import TaskKey, TaskState
+from triggerflow.model import EventKind, TaskKey, TaskState
 from triggerflow.settings import Settings
-from triggerflow.store import ClaimResult, ProcessKind, StoreUnavailable
+from triggerflow.store import Applied, ClaimResult, ProcessKind, StoreError, StoreUnavailable
 from triggerflow.testing import InMemory, ManualClock, MemoryStore
 from triggerflow.triggers import DateTimeTrigger, TimeDeltaTrigger
-from triggerflow.wire import Event, decode_wakeup, encode_events
+from triggerflow.wire import EVENT_KINDS, Event, WireError, decode_events, decode_wakeup, encode_events
 from triggerflow.writer import Writer
 
 QUEUE = "team-a"
@@ -309,6 +309,93 @@ async def test_writer_dead_letters_events_forged_by_another_team(mem: InMemory) 
     assert mem.broker.dead[0].reason is not None and "forged" in mem.broker.dead[0].reason
 
 
+async def test_writer_applies_an_event_only_under_its_own_queues_routing_key(
+    mem: InMemory,
+) -> None:
+    """No team_users set: an event for queue B's trigger published under A's key is forged."""
+    s = fast_settings()
+    mem.broker.declare("team-b")
+    async with mem.client(s) as client:
+        [tid] = await client.defer_many([_deferral(1)])
+    me = await mem.store.register(ProcessKind.CONSUMER, "h", 1, [QUEUE], 10, "v", ttl=60)
+    await mem.store.claim(me, [tid], [QUEUE])
+    intruder = mem.transport()
+    await intruder.connect()
+    async with running(Writer(s, mem.store, mem.transport())):
+        await intruder.publish_events("team-b", [Event(tid, 1, QUEUE, "success", "1", 0.0)])
+        await until(lambda: bool(mem.broker.dead))
+    assert mem.store.task(key(1)).state == TaskState.DEFERRED
+    assert mem.broker.dead[0].reason is not None and "routing key" in mem.broker.dead[0].reason
+
+
+class FlakyApplyStore(MemoryStore):
+    """apply_events waits for ``gate`` and raises ``errors`` first (then commits)."""
+
+    def __init__(self, errors: list[Exception]) -> None:
+        super().__init__()
+        self.gate = asyncio.Event()
+        self.errors = errors
+        self.calls = 0
+
+    async def apply_events(self, events: Sequence[Event]) -> list[Applied]:
+        self.calls += 1
+        await self.gate.wait()
+        if self.errors:
+            raise self.errors.pop(0)
+        return await super().apply_events(events)
+
+
+async def _writer_case(store: FlakyApplyStore) -> tuple[InMemory, list[int], Settings]:
+    mem = InMemory(store)
+    mem.broker.declare(QUEUE)
+    s = fast_settings()
+    async with mem.client(s) as client:
+        ids = await client.defer_many([_deferral(i) for i in range(3)])
+    me = await store.register(ProcessKind.CONSUMER, "h", 1, [QUEUE], 10, "v", ttl=60)
+    await store.claim(me, ids, [QUEUE])
+    return mem, ids, s
+
+
+async def test_writer_retries_a_batch_on_any_store_error_and_keeps_running() -> None:
+    store = FlakyApplyStore([StoreError("cannot execute UPDATE in a read-only transaction"),
+                             StoreError("canceling statement due to statement timeout")])
+    mem, ids, s = await _writer_case(store)
+    store.gate.set()
+    producer = mem.transport()
+    await producer.connect()
+    async with running(Writer(s, mem.store, mem.transport())):
+        await producer.publish_events(QUEUE, [Event(t, 1, QUEUE, "resume", "1", 0.0) for t in ids])
+        await until(lambda: all(store.task(key(i)).state == TaskState.SCHEDULED
+                                for i in range(3)))
+    assert store.calls == 3 and not mem.broker.dead
+
+
+async def test_writer_survives_losing_the_broker_between_commit_and_ack() -> None:
+    store = FlakyApplyStore([])
+    mem, ids, s = await _writer_case(store)
+    producer = mem.transport()
+    await producer.connect()
+    transport = mem.transport()
+    writer = Writer(s, mem.store, transport)
+    async with running(writer):
+        await producer.publish_events(QUEUE, [Event(t, 1, QUEUE, "resume", "1", 0.0) for t in ids])
+        await until(lambda: store.calls == 1)  # the batch is in the statement
+        await transport.kill()
+        store.gate.set()  # it commits; its ack finds the channel gone
+        await until(lambda: all(store.task(key(i)).state == TaskState.SCHEDULED
+                                for i in range(3)))
+        # Redelivered after the reconnect, the events match nothing and are acked.
+        await until(lambda: store.calls >= 2 and not transport._unacked
+                    and not mem.broker.ready("events"))
+    assert writer.applied_total == 3 and not mem.broker.dead
+
+
+def test_wire_event_kinds_are_the_models() -> None:
+    assert {str(k) for k in EventKind} == EVENT_KINDS
+    with pytest.raises(WireError, match="unknown event kind"):
+        decode_events(b'{"v": 2, "events": [[1, 1, "q", "state-of-my-choice", "1", 0.0]]}')
+
+
 # ----------------------------------------------------------------------------- flow control
 
 
@@ -383,6 +470,24 @@ async def test_sweep_cancels_what_the_control_message_missed(mem: InMemory) -> N
         await until(lambda: tid in consumer.runner.running)
         mem.store.task(key(1)).state = TaskState.FAILED  # marked by hand, no message sent
         await until(lambda: tid not in consumer.runner.running)
+        assert tid not in mem.store.triggers
+
+
+async def test_control_cancel_stops_only_what_the_store_confirms(mem: InMemory) -> None:
+    """Sweep off: a cancel for a task still deferred is ignored (anyone may publish one);
+    once the task left ``deferred``, the control message cancels at once."""
+    s = fast_settings(cancel_sweep_interval=3600)
+    consumer = Consumer(s, mem.store, mem.transport())
+    async with running(consumer), mem.client(s) as client:
+        [tid] = await client.defer_many([_deferral(1)])
+        await until(lambda: tid in consumer.runner.running)
+        intruder = mem.transport(user="team-b-user")
+        await intruder.connect()
+        await intruder.publish_control(consumer.me, "cancel", [tid])
+        await asyncio.sleep(0.3)
+        assert tid in consumer.runner.running and tid in mem.store.triggers
+        assert await client.cancel([tid]) == 1
+        await until(lambda: tid not in consumer.runner.running, timeout=1)
         assert tid not in mem.store.triggers
 
 

@@ -136,3 +136,29 @@ async def test_runner_fires_timers_from_one_heap_and_times_out_tasks(tmp_path: A
     assert kinds[5002] == EventKind.FAIL and 5003 not in kinds
     assert (tmp_path / "cleanup-5000").exists() and (tmp_path / "cleanup-5003").exists()
     assert len(runner) == 0
+
+
+def test_payload_with_undecodable_file_name_is_a_payload_error() -> None:
+    import os
+
+    from triggerflow.wire import PayloadError, validate_payload
+
+    with pytest.raises(PayloadError, match="not valid UTF-8"):
+        validate_payload({"path": os.fsdecode(b"/data/report-\xff.csv")}, 1 << 20)
+
+
+def test_kwargs_keys_per_queue_and_rotation() -> None:
+    from cryptography.fernet import Fernet, InvalidToken
+
+    from triggerflow.codec import KwargsCodec, MissingKey
+
+    old, new, other = (Fernet.generate_key().decode() for _ in range(3))
+    before = KwargsCodec(queue_keys={"team-a": old}).encode({"x": 1}, "team-a")
+    rotated = KwargsCodec(queue_keys={"team-a": f"{new},{old}", "team-b": other})
+    assert rotated.decode(before, "team-a") == {"x": 1}  # rows written with the old key
+    after = rotated.encode({"x": 2}, "team-a")
+    assert Fernet(new.encode()).decrypt(after.removeprefix("fernet:").encode()) == b'{"x":2}'
+    with pytest.raises(InvalidToken):  # team b's key opens nothing of team a
+        KwargsCodec(queue_keys={"team-a": other}).decode(after, "team-a")
+    with pytest.raises(MissingKey):  # a consumer of b holds no key of a
+        KwargsCodec(queue_keys={"team-b": other}).decode(after, "team-a")

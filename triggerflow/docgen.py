@@ -69,7 +69,7 @@ def configuration_reference(cli: click.Group) -> str:
         "when this page and the model disagree. Every process reads every `TRIGGERFLOW_*`",
         "variable; the commands listed also take the setting as a flag (`--help` shows them),",
         "and a flag wins over the variable. Lists take `a,b` or JSON (`[\"a\", \"b\"]`) in",
-        "the variable and repeat the flag (`--queue a --queue b`); `team_users` takes JSON.",
+        "the variable and repeat the flag (`--queue a --queue b`); `team_users` and `kwargs_keys` take JSON.",
         "The SDK (`TriggerflowClient()` without settings) reads the same variables.",
         "",
         "| env var | flag | default | flag on | description |",

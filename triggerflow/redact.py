@@ -21,8 +21,10 @@ class Redactor:
             password = URL(url).raw_password
             if password:
                 self.secrets += {password, URL(url).password or password}
-        if settings.kwargs_key is not None:
-            self.secrets.append(settings.kwargs_key.get_secret_value())
+        for keys in (settings.kwargs_key, *settings.kwargs_keys.values()):
+            if keys is not None:
+                self.secrets.append(keys.get_secret_value())
+                self.secrets += [k.strip() for k in keys.get_secret_value().split(",")]
 
     def __call__(self, text: str) -> str:
         text = _USERINFO.sub(r"\g<scheme>\g<user>:***@", text)

@@ -102,9 +102,7 @@ class TriggerflowClient:
                  connect: Connect | None = None) -> None:
         self.settings = settings or Settings()
         self.max_connections = max_connections
-        self.codec = KwargsCodec(
-            self.settings.kwargs_key.get_secret_value() if self.settings.kwargs_key else None
-        )
+        self.codec = KwargsCodec.from_secrets(self.settings.kwargs_key, self.settings.kwargs_keys)
         self._connect_fn = connect or _connect_real
         self._store: Store | None = None
         self._transport: Transport | None = None
@@ -168,7 +166,10 @@ class TriggerflowClient:
     async def defer_many(self, deferrals: Sequence[Deferral]) -> list[int]:
         """Defer many tasks in one store transaction and one wake-up message per queue.
 
-        All or nothing: a :class:`DeferralError` for any item writes none of them.
+        All or nothing: a :class:`DeferralError` for any item writes none of them. If the
+        broker refuses a queue's wake-up (``Unroutable``, ``PublishRefused``), the deferrals
+        not yet published are undone (their tasks fail) and those on queues already published
+        stay deferred; the exception's note lists them.
         Returns the trigger ids in the order of ``deferrals``.
         """
         if not deferrals:
@@ -184,11 +185,21 @@ class TriggerflowClient:
             by_queue: dict[str, list[int]] = defaultdict(list)
             for d, trigger_id in zip(deferrals, ids, strict=True):
                 by_queue[d.queue].append(trigger_id)
+            published: set[int] = set()
             try:
-                await transport.publish_wakeups(by_queue, traceparent=traceparent)
+                # Queue by queue, so a refusal knows which wake-ups already went out.
+                for queue, queue_ids in by_queue.items():
+                    await transport.publish_wakeups({queue: queue_ids}, traceparent=traceparent)
+                    published.update(queue_ids)
             except (Unroutable, PublishRefused) as exc:
-                # Not a lost publish but a refused one: undo, so the error is the whole truth.
-                await store.undo_defer(ids, f"deferral not published: {exc}")
+                # Not a lost publish but a refused one: undo what was not sent, so the error
+                # is the whole truth. Deferrals whose wake-up went out stay deferred: a
+                # consumer may already run them, and they are valid.
+                await store.undo_defer([i for i in ids if i not in published],
+                                       f"deferral not published: {exc}")
+                if published:
+                    exc.add_note(f"{len(published)} deferral(s) on other queues were published "
+                                 f"and stay deferred: trigger ids {sorted(published)}")
                 self._routable.clear()
                 if isinstance(exc, PublishRefused):
                     await transport.close()  # the broker closed the channel
@@ -242,7 +253,7 @@ class TriggerflowClient:
                     f"trigger class {classpath!r} is outside the allowed modules {s.allowed_modules}"
                 )
             try:
-                stored = self.codec.encode(kwargs)
+                stored = self.codec.encode(kwargs, d.queue)
                 next_kwargs = encode_json(d.kwargs)
             except Exception as exc:
                 raise DeferralError(f"kwargs of {classpath} are not JSON-serializable: {exc}") from None

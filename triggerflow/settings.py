@@ -121,7 +121,15 @@ class Settings(BaseSettings):
 
     # -- security -----------------------------------------------------------------------
     kwargs_key: SecretStr | None = Field(
-        None, description="Fernet key: encrypt trigger kwargs at rest when set."
+        None, description=(
+            "Fernet key(s), comma-separated, newest first: encrypt trigger kwargs at rest when "
+            "set. The newest encrypts, all decrypt (rotation)."),
+    )
+    kwargs_keys: dict[str, SecretStr] = Field(
+        default_factory=dict,
+        description=(
+            'Queue -> its own Fernet key(s), comma-separated, newest first, e.g. '
+            '{"team-ml": "<new>,<old>"}; used instead of kwargs_key for that queue.'),
     )
 
     # -- telemetry ----------------------------------------------------------------------
@@ -179,6 +187,9 @@ class Settings(BaseSettings):
                 value = value.get_secret_value()
             if isinstance(value, timedelta):
                 value = value.total_seconds()
+            if isinstance(value, dict):  # kwargs_keys holds secrets too
+                value = {k: v.get_secret_value() if isinstance(v, SecretStr) else v
+                         for k, v in value.items()}
             if isinstance(value, list | dict):
                 value = json.dumps(value)
             env[self.env_name(key)] = str(value)

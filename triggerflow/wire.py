@@ -31,8 +31,14 @@ class Wakeup(msgspec.Struct, forbid_unknown_fields=False):
     id: int | None = None
 
 
+# The values of ``model.EventKind``, spelled here so that an event of any other kind fails to
+# decode (wire imports nothing of ours; a unit test keeps the two equal).
+EVENT_KINDS = frozenset({"resume", "success", "failed", "skipped", "fail"})
+
+
 class Event(msgspec.Struct, array_like=True):
-    """One fired trigger. ``payload`` is JSON text, validated by the consumer."""
+    """One fired trigger. ``payload`` is JSON text, validated by the consumer; ``kind`` is
+    one of :data:`EVENT_KINDS`, checked on decode."""
 
     trigger_id: int
     attempt: int
@@ -41,6 +47,11 @@ class Event(msgspec.Struct, array_like=True):
     payload: str
     fired_at: float
     traceparent: str | None = None  # the fire span, so the writer's span joins the trace
+
+    def __post_init__(self) -> None:
+        # Runs on decode too: msgspec turns this into a DecodeError naming the field path.
+        if self.kind not in EVENT_KINDS:
+            raise ValueError(f"unknown event kind {self.kind!r}")
 
 
 class EventBatch(msgspec.Struct):
@@ -123,6 +134,13 @@ def validate_payload(value: Any, max_bytes: int) -> str:
     """Encode an event payload, refusing what jsonb or the size cap would reject."""
     try:
         text = encode_json(value)
+    except UnicodeEncodeError as exc:
+        # A str holding undecodable bytes (os.fsdecode of a non-UTF-8 file name keeps them as
+        # lone surrogates): no JSON text can carry it.
+        raise PayloadError(
+            f"event payload holds text that is not valid UTF-8 (a non-UTF-8 file name?): "
+            f"{exc.reason} at position {exc.start} of {exc.object[max(0, exc.start - 20):exc.end + 20]!r}"
+        ) from None
     except (TypeError, msgspec.EncodeError, OverflowError) as exc:
         raise PayloadError(f"event payload is not JSON-serializable: {exc}") from None
     if len(text) > max_bytes:

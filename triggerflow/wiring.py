@@ -21,8 +21,7 @@ if TYPE_CHECKING:
 
 
 def kwargs_codec(settings: Settings) -> KwargsCodec:
-    key = settings.kwargs_key.get_secret_value() if settings.kwargs_key else None
-    return KwargsCodec(key)
+    return KwargsCodec.from_secrets(settings.kwargs_key, settings.kwargs_keys)
 
 
 async def connect_store(settings: Settings, *, max_size: int | None = None) -> Store:

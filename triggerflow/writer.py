@@ -23,9 +23,9 @@ from triggerflow.model import EventKind, FailureReason
 from triggerflow.reaper import Reaper
 from triggerflow.runner import failure
 from triggerflow.settings import Settings
-from triggerflow.store import Applied, EventRefused, ProcessKind, Store, StoreError, StoreUnavailable
+from triggerflow.store import Applied, EventRefused, ProcessKind, Store, StoreError
 from triggerflow.telemetry import context_from, get_metrics, tracer, tracing_enabled
-from triggerflow.transport import Delivery, Transport
+from triggerflow.transport import Delivery, Transport, TransportUnavailable
 from triggerflow.transport.subscriptions import Subscriptions
 from triggerflow.wire import Event, WireError, decode_events, encode_events, encode_json
 
@@ -39,12 +39,12 @@ class Received:
     message: Delivery
     events: list[Event]
     reject: str | None = None
-    forged: list[Event] = field(default_factory=list)
+    forged: list[tuple[Event, str]] = field(default_factory=list)  # (event, why refused)
 
 
-def _log_unavailable(state: RetryCallState) -> None:
+def _log_retry(state: RetryCallState) -> None:
     exc = state.outcome.exception() if state.outcome else None
-    log.warning("database unavailable (%r); retrying the batch", exc)
+    log.warning("batch not applied (%r); retrying it", exc)
 
 
 class Writer:
@@ -153,25 +153,47 @@ class Writer:
             events = decode_events(message.body)
         except WireError as exc:
             return Received(message, [], reject=str(exc))
-        owners = self.settings.team_users
-        if not owners:
-            return Received(message, events)
         kept: list[Event] = []
-        forged: list[Event] = []
+        forged: list[tuple[Event, str]] = []
         for ev in events:
-            owner = owners.get(ev.queue)
-            (forged if owner is not None and owner != message.user_id else kept).append(ev)
+            why = self._forged(ev, message)
+            if why is None:
+                kept.append(ev)
+            else:
+                forged.append((ev, why))
         return Received(message, kept, forged=forged)
 
+    def _forged(self, ev: Event, message: Delivery) -> str | None:
+        """Why ``ev`` may not be applied from this message, or None when it may.
+
+        Topic permissions pin a team's user to its own routing keys, so the routing key
+        names the publishing team's queue: an event for another queue's trigger is forged,
+        whatever ``team_users`` says. Where ``team_users`` names the queue's user, RabbitMQ's
+        validated ``user_id`` must match it as well.
+        """
+        if ev.queue != message.routing_key:
+            return (f"forged: routing key {message.routing_key!r} may not carry events of "
+                    f"{ev.queue!r}")
+        owner = self.settings.team_users.get(ev.queue)
+        if owner is not None and owner != message.user_id:
+            return f"forged: user {message.user_id!r} may not publish events of {ev.queue}"
+        return None
+
     async def _commit(self, batch: list[Received]) -> None:
-        """Apply, retrying while the store is unreachable; ack only after the commit."""
+        """Apply, retrying with backoff on any store error; ack only after the commit.
+
+        Not only a lost connection is transient: a read-only database during failover or a
+        statement timeout under a row lock pass too. Giving up would return the deliveries
+        and spend their delivery limit, so the batch is retried until it goes through (a
+        content error never gets here: ``_apply`` splits it out).
+        """
         events = self._dedupe([ev for d in batch for ev in d.events])
         started = time.perf_counter()
         applied = 0
         async for attempt in AsyncRetrying(
-            retry=retry_if_exception_type(StoreUnavailable),
+            retry=retry_if_exception_type(StoreError),
             wait=wait_exponential_jitter(multiplier=0.2, max=5, jitter=0.2),
-            before_sleep=_log_unavailable,
+            before_sleep=_log_retry,
         ):
             with attempt:
                 applied = await self._apply(events)
@@ -180,14 +202,17 @@ class Writer:
         for d in batch:
             if d.reject:
                 await self._dead_letter(d.message.body, d.reject, d.message.routing_key)
-            for ev in d.forged:
-                await self._dead_letter(
-                    encode_events([ev]),
-                    f"forged: user {d.message.user_id!r} may not publish events of {ev.queue}",
-                    ev.queue)
-        # One ack for the whole batch: everything up to the last tag is durable.
-        await batch[-1].message.ack(multiple=True)
+            for ev, why in d.forged:
+                await self._dead_letter(encode_events([ev]), why, d.message.routing_key)
         self.applied_total += applied
+        # One ack for the whole batch: everything up to the last tag is durable.
+        try:
+            await batch[-1].message.ack(multiple=True)
+        except TransportUnavailable as exc:
+            # The connection dropped after the commit: the deliveries return to the queue and
+            # come back once the subscriptions reconnect; applied already, they match nothing.
+            log.warning("ack of a committed batch failed (%r); its redelivery will be ignored",
+                        exc)
 
     @staticmethod
     def _dedupe(events: list[Event]) -> list[Event]:

@@ -73,6 +73,8 @@ WITH event AS (
     FROM event
     JOIN {SCHEMA}.trigger_state s ON s.trigger_id = event.trigger_id AND s.attempt = event.attempt
     JOIN "trigger" t ON t.id = event.trigger_id AND coalesce(t.queue, $7) = event.queue
+    -- only the project's kinds: anything else would become the task's state below
+    WHERE event.kind IN ('resume', 'fail', 'success', 'failed', 'skipped')
     ORDER BY s.trigger_id
     FOR UPDATE OF s
 ), moved AS (

@@ -30,11 +30,11 @@ CONSUMER = ("queues", "capacity", "allowed_modules", "lease_ttl", "renew_interva
             "claim_batch", "prefetch", "reclaim_rate", "probation_seconds",
             "max_failures", "blocked_threshold", "subscription_check_interval", "event_batch",
             "event_linger", "max_event_bytes", "reaper_interval", "cancel_sweep_interval",
-            "unclaimed_grace", "max_deferral", "kwargs_key")
+            "unclaimed_grace", "max_deferral", "kwargs_key", "kwargs_keys")
 WRITER = ("writer_batch", "writer_prefetch", "team_users", "lease_ttl", "renew_interval",
           "reaper_interval", "unclaimed_grace", "max_deferral", "reclaim_rate",
           "subscription_check_interval")
-SDK = ("allowed_modules", "max_kwargs_bytes", "max_deferral", "kwargs_key")
+SDK = ("allowed_modules", "max_kwargs_bytes", "max_deferral", "kwargs_key", "kwargs_keys")
 
 # Durations are given in seconds on the command line, as in the environment.
 _CLICK_TYPES: dict[Any, Any] = {int: int, float: float, timedelta: float}
@@ -80,7 +80,7 @@ def build_settings(values: dict[str, Any]) -> Settings:
             else:
                 value = [part for item in value
                          for part in str(item).replace(" ", ",").split(",") if part]
-        elif key == "team_users" and isinstance(value, str):
+        elif key in ("team_users", "kwargs_keys") and isinstance(value, str):
             value = json.loads(value)
         given[key] = value
     try:

@@ -213,8 +213,17 @@ class Consumer:
         ctl = await self._decode(message, decode_control)
         if ctl is None:
             return
-        if ctl.op == "cancel":
-            await self.cancel(ctl.ids, cause="control")
+        if ctl.op == "cancel" and any(i in self.runner.running for i in ctl.ids):
+            # Anyone who may cancel can publish to the control exchange, so the message is a
+            # hint, not an order: cancel only held triggers whose task the store confirms is
+            # no longer deferred (the sweep's statement, run now).
+            try:
+                confirmed = await self.store.sweep_cancelled(self.me)
+            except StoreError as exc:
+                log.warning("cancel check failed (%r); the sweep will retry", exc)
+                confirmed = []
+            if confirmed:
+                await self.cancel(confirmed, cause="control")
         await message.ack()
 
     # -- claiming ----------------------------------------------------------------------------

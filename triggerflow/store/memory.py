@@ -34,7 +34,7 @@ from triggerflow.store.interface import (
     TriggerRef,
     TriggerSpec,
 )
-from triggerflow.wire import Event
+from triggerflow.wire import EVENT_KINDS, Event
 
 FINAL = {"success", "failed", "skipped"}
 ORPHAN_SLACK = 2.0  # seconds past its timeout before a deferred task is failed as orphaned
@@ -124,7 +124,7 @@ class MemoryStore:
         kwargs: dict[str, Any] | None = None
         problem: KwargsError | None = None
         try:
-            kwargs = self.codec.decode(t.kwargs)
+            kwargs = self.codec.decode(t.kwargs, t.queue)
         except MissingKey as exc:
             problem = KwargsError(KwargsProblem.UNREADABLE_HERE, str(exc))
         except Exception as exc:
@@ -261,6 +261,8 @@ class MemoryStore:
             t = self.triggers.get(ev.trigger_id)
             if t is None or t.attempt != ev.attempt or t.queue != ev.queue:
                 continue  # stale attempt, wrong queue, or already applied
+            if ev.kind not in EVENT_KINDS:
+                continue  # as the SQL: an unknown kind never becomes a state
             del self.triggers[t.id]
             task = self._task_on(t.id)
             if task is None or task.state != TaskState.DEFERRED:

@@ -127,9 +127,6 @@ class Topology:
     def control(self) -> str:
         return f"{self.namespace}.control"
 
-    def control_queue(self, consumer_id: int) -> str:
-        return f"{self.namespace}.control.{consumer_id}"
-
     def exchanges(self) -> dict[str, str]:
         return {
             self.deferrals: "topic",
@@ -163,6 +160,10 @@ class RabbitTransport:
         self.user = URL(url).user or "guest"
 
     async def connect(self) -> None:
+        if self.connection is not None and not self.connection.is_closed:
+            # Reconnecting after the broker closed only our channel (a refused publish):
+            # the old connection would stay open on the broker otherwise.
+            await self.close()
         self.closed.clear()
         async with _connection_errors():
             self.connection = await aio_pika.connect(
@@ -305,8 +306,9 @@ class RabbitTransport:
 
     async def subscribe_control(self, consumer_id: int, handler: DeliveryHandler, *,
                                 prefetch: int) -> str:
-        name = self.topology.control_queue(consumer_id)
-        q, tag = await self._consume(name, handler, prefetch, exclusive=True, auto_delete=True)
+        # Server-named ("amq.gen-…"): no client may declare a name under "amq.", so no team
+        # can take a consumer's control queue before it exists.
+        q, tag = await self._consume("", handler, prefetch, exclusive=True, auto_delete=True)
         async with _connection_errors():
             await q.bind(self.topology.control, str(consumer_id))
         return tag

@@ -224,6 +224,8 @@ WITH ev AS (
 ), locked AS (
     SELECT t.id, ev.queue, ev.kind, ev.payload, ev.fired_at FROM trigger t JOIN ev
       ON ev.trigger_id = t.id AND ev.attempt = t.attempt AND ev.queue = t.queue
+    -- only the project's kinds: anything else would become the task's state below
+    WHERE ev.kind IN ('resume', 'fail', 'success', 'failed', 'skipped')
     ORDER BY t.id
     FOR UPDATE OF t
 ), finished AS (

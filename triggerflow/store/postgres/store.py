@@ -95,7 +95,7 @@ class PostgresStore:
         kwargs: dict[str, Any] | None = None
         problem: KwargsError | None = None
         try:
-            kwargs = self.codec.decode(row["kwargs"])
+            kwargs = self.codec.decode(row["kwargs"], row["queue"])
         except MissingKey as exc:
             problem = KwargsError(KwargsProblem.UNREADABLE_HERE, str(exc))
         except Exception as exc:
