@@ -9,7 +9,6 @@ import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
-from tests.conftest import PG
 from triggerflow.bench.airflow import QUEUE, measure, seed_rows
 from triggerflow.bench.airflow_seed import DAG_ID, bench_dag
 from triggerflow.bench.airflow_stack import AirflowStack
@@ -23,13 +22,13 @@ WHERE ti.dag_id = %s ORDER BY ti.run_id, ti.map_index
 """
 
 
-def test_seeded_rows_equal_a_real_airflow_deferral(tmp_path: Path) -> None:
+def test_seeded_rows_equal_a_real_airflow_deferral(tmp_path: Path, pg_server: str) -> None:
     import psycopg2  # type: ignore[import-untyped]
 
     dags = tmp_path / "dags"
     dags.mkdir()
     (dags / "tf_bench_airflow.py").write_text(bench_dag(N, QUEUE))
-    stack = AirflowStack(PG, dags)
+    stack = AirflowStack(pg_server, dags)
     try:
         stack.migrate()
         stack.start()  # no triggerer: the deferred rows stay as written
@@ -61,8 +60,8 @@ def test_seeded_rows_equal_a_real_airflow_deferral(tmp_path: Path) -> None:
     assert stack.leftovers() == []
 
 
-def test_airflow_triggerer_resumes_a_small_seeded_burst() -> None:
-    result = measure(PG, 20, limit=60.0, log=lambda *_: None)
+def test_airflow_triggerer_resumes_a_small_seeded_burst(pg_server: str) -> None:
+    result = measure(pg_server, 20, limit=60.0, log=lambda *_: None)
     assert result["applied"] == 20, result
     assert result["held_at_instant"] == 20, result
     assert 0 <= result["latency"]["p50"] <= result["all_applied_s"] < 60, result

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import AMQP, FAST, PG, ROOT
+from tests.conftest import FAST, ROOT
 from triggerflow.bench.airflow_stack import AirflowStack
 
 DAGS = ROOT / "tests" / "airflow_dags"
@@ -64,9 +64,9 @@ class Outcome:
 
 
 @pytest.fixture
-def airflow_stack(tmp_path: Path) -> Iterator[AirflowStack]:
+def airflow_stack(tmp_path: Path, pg_server: str) -> Iterator[AirflowStack]:
     """A migrated, running Airflow stack with no triggerer; stopped and dropped afterwards."""
-    stack = AirflowStack(PG, DAGS, extra_env={
+    stack = AirflowStack(pg_server, DAGS, extra_env={
         "PYTHONPATH": str(ROOT),  # tests.airflow_triggers, for workers and triggerers alike
         "AIRFLOW_CONN_FS_DEFAULT": json.dumps({"conn_type": "fs", "extra": {"path": "/"}}),
     })
@@ -158,12 +158,12 @@ def test_airflow_dags_reach_airflows_states_with_airflow_triggerer(
 if os.environ.get("TRIGGERFLOW_AIRFLOW_MODE_E2E") == "1":  # phase 2: remove this guard
 
     def test_airflow_dags_reach_airflows_states_with_triggerflow(
-            airflow_stack: AirflowStack, tmp_path: Path) -> None:
+            airflow_stack: AirflowStack, tmp_path: Path, amqp_server: str) -> None:
         """No ``airflow triggerer``: triggerflow's writer and one consumer per queue serve."""
         from triggerflow.settings import Settings
 
         settings = Settings(
-            database_url=airflow_stack.database_url, amqp_url=AMQP,
+            database_url=airflow_stack.database_url, amqp_url=amqp_server,
             namespace=f"tfaf{os.getpid()}",
             allowed_modules=["airflow.providers.standard.triggers", "tests.airflow_triggers"],
             **FAST,  # type: ignore[arg-type]
