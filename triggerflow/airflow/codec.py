@@ -64,3 +64,18 @@ def encode_outcome(kind: EventKind, payload: Any) -> tuple[str, str]:
     if payload:
         xcoms = {key: XComModel.serialize_value(value) for key, value in payload.items()}
     return str(kind), json.dumps({"xcoms": xcoms, "serde_xcoms": serialize(payload)})
+
+
+def wire_outcome(kind: EventKind, payload: Any) -> tuple[EventKind, Any]:
+    """The consumer's ``Outcomes`` hook in Airflow mode: what the runner emitted -> the kind
+    and JSON value ``AirflowStore.apply_events`` reads as the event body.
+
+    A payload ``loader.AirflowCoroutine`` already encoded passes through; heap timers and the
+    runner's own failures (exited without an event, could not be loaded) are encoded here.
+    """
+    from triggerflow.airflow.loader import Encoded
+
+    if isinstance(payload, Encoded):
+        return kind, payload.value
+    encoded_kind, body = encode_outcome(kind, payload)
+    return EventKind(encoded_kind), json.loads(body)
