@@ -81,7 +81,11 @@ class Served:
         assert await self.scalar("SELECT count(*) FROM task_instance") == total
         await wait_until(lambda: self.scalar('SELECT count(*) = 0 FROM "trigger"'), 15,
                          message="every trigger row deleted")
-        assert await self.scalar("SELECT count(*) FROM triggerflow.trigger_state") == 0
+        # A re-send racing an apply can leave bookkeeping for a deleted row; the writer's
+        # backstop (whole-table clean_unused, every reaper_interval) removes it.
+        await wait_until(lambda: self.scalar(
+            "SELECT count(*) = 0 FROM triggerflow.trigger_state"), 15,
+            message="no triggerflow bookkeeping left")
 
     async def consumer_id(self, proc: subprocess.Popen[bytes]) -> int:
         async def find() -> object:
@@ -162,12 +166,11 @@ async def test_postgres_restart_mid_burst_loses_no_airflow_event(
         served: Served, services: SuiteServices) -> None:
     services.owned("pg")  # skip before starting anything when PostgreSQL is not ours
     served.procs.writer()
-    served.procs.consume(served.queue)
-    await served.defer(2000, first_in=4, spread=6)  # firing over ~6 s
+    await served.consumer_id(served.procs.consume(served.queue))
+    await served.defer(2000, first_in=5, spread=8)  # firing over ~8 s
     await wait_until(lambda: served.scalar(
-        "SELECT count(*) = 2000 FROM triggerflow.trigger_state WHERE owner_id IS NOT NULL"), 30,
-        message="all claimed")
-    await asyncio.sleep(5)  # mid-burst
+        "SELECT count(*) BETWEEN 1 AND 1900 FROM task_instance WHERE state = 'scheduled'"), 30,
+        interval=0.05, message="the burst under way")
     await asyncio.to_thread(services.restart_postgres)
     await wait_until(lambda: served.scheduled("t", 2000), 90, interval=0.5,
                      message="every event applied after the restart")
@@ -178,7 +181,7 @@ async def test_broker_restart_loses_no_airflow_trigger(
         served: Served, services: SuiteServices) -> None:
     node = services.rabbit()
     served.procs.writer()
-    served.procs.consume(served.queue)
+    await served.consumer_id(served.procs.consume(served.queue))
     await served.defer(300, first_in=8, prefix="a")
     await wait_until(lambda: served.scalar(
         "SELECT count(*) = 300 FROM triggerflow.trigger_state WHERE owner_id IS NOT NULL"), 30,
