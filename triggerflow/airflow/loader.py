@@ -11,27 +11,16 @@ Importing this module imports Airflow (``triggerflow[airflow]``).
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator
 from typing import Any
 
-from triggerflow.airflow.codec import encode_event, failure_body
+from triggerflow.airflow.codec import Encoded, encode_event, failure_body
 from triggerflow.airflow.kwargs import load_trigger_class
 from triggerflow.airflow.timers import as_timer
 from triggerflow.loader import BadKwargs, Disallowed, Unloadable
 from triggerflow.model import EventKind, is_allowed
 from triggerflow.store.interface import KwargsProblem, TriggerSpec
 from triggerflow.triggers.base import BaseTrigger, TriggerEvent
-
-
-class Encoded:
-    """A payload already in the wire form ``AirflowStore`` applies: ``codec.wire_outcome``
-    passes it through instead of encoding it again."""
-
-    __slots__ = ("value",)
-
-    def __init__(self, body: str) -> None:
-        self.value = json.loads(body)
 
 
 class EncodedEvent(TriggerEvent):
