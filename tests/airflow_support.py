@@ -1,9 +1,11 @@
 """A real Airflow 3.3.2 metadata database for Airflow-mode tests.
 
-``airflow db migrate`` runs once per test session into a template database; each test gets
-its own copy (``CREATE DATABASE … TEMPLATE``). Airflow reads its configuration from the
-environment when first imported, so the environment is set here, at import, before any test
-module imports Airflow.
+``airflow db migrate`` runs once per test session into a template database on the suite's own
+PostgreSQL server (fixture ``pg_server``); each test gets its own copy (``CREATE DATABASE …
+TEMPLATE``). Airflow reads its configuration from the environment when first imported, so the
+key and home are set here, at import, before any test module imports Airflow; the database URL
+is only known once the session's server runs, and goes to the subprocesses that need it
+(``airflow_env``).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from typing import Any
 import asyncpg
 import pytest
 
-from tests.conftest import PG, admin_sql, drop_database_sql
+from tests.conftest import admin_sql, drop_database_sql
 
 AIRFLOW_TEMPLATE = f"tf_airflow_template_{os.getpid()}"
 # A fixed test key: rows encrypted by Airflow's code in a test decrypt with the same key.
@@ -33,39 +35,58 @@ FERNET_KEY = "P3vN2mJ6kq1pG7x0lS7fZ5t3d2QyYc8u9wAbCdEfGhI="
 AIRFLOW_HOME = tempfile.mkdtemp(prefix="tf-airflow-home-")
 atexit.register(shutil.rmtree, AIRFLOW_HOME, ignore_errors=True)
 BIN = Path(sys.executable).parent
+BASE_ENV = {
+    "AIRFLOW_HOME": AIRFLOW_HOME,
+    "AIRFLOW__CORE__FERNET_KEY": FERNET_KEY,
+    "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+}
+
+
+class _Server:
+    """The suite's PostgreSQL server URL, set by ``airflow_template`` (session scope) so the
+    helpers below keep taking a database name."""
+
+    url: str | None = None
+
+    @classmethod
+    def get(cls) -> str:
+        if cls.url is None:
+            raise RuntimeError("no Airflow database yet: use the airflow_db fixture")
+        return cls.url
 
 
 def airflow_env(database: str) -> dict[str, str]:
-    return {
-        "AIRFLOW_HOME": AIRFLOW_HOME,
-        "AIRFLOW__CORE__FERNET_KEY": FERNET_KEY,
-        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
-        "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": sqlalchemy_url(database),
-    }
+    return {**BASE_ENV, "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": sqlalchemy_url(database)}
 
 
 def sqlalchemy_url(database: str) -> str:
-    return PG.replace("postgresql://", "postgresql+psycopg2://", 1) + f"/{database}"
+    return _Server.get().replace("postgresql://", "postgresql+psycopg2://", 1) + f"/{database}"
 
 
 # Before anything imports Airflow (it reads its configuration once, at import).
-os.environ.update(airflow_env(AIRFLOW_TEMPLATE))
+os.environ.update(BASE_ENV)
 pytest.importorskip("airflow", reason="needs triggerflow[airflow]")
 
 
 @pytest.fixture(scope="session")
-def airflow_template() -> Iterator[str]:
-    asyncio.run(admin_sql(drop_database_sql(AIRFLOW_TEMPLATE), f'CREATE DATABASE "{AIRFLOW_TEMPLATE}"'))
+def airflow_template(pg_server: str) -> Iterator[str]:
+    _Server.url = pg_server
+    asyncio.run(admin_sql(pg_server, drop_database_sql(AIRFLOW_TEMPLATE),
+                          f'CREATE DATABASE "{AIRFLOW_TEMPLATE}"'))
     subprocess.run([str(BIN / "airflow"), "db", "migrate"], check=True, capture_output=True,
                    env={**os.environ, **airflow_env(AIRFLOW_TEMPLATE)}, timeout=240)
     yield AIRFLOW_TEMPLATE
-    asyncio.run(admin_sql(drop_database_sql(AIRFLOW_TEMPLATE)))
+    asyncio.run(admin_sql(pg_server, drop_database_sql(AIRFLOW_TEMPLATE)))
 
 
 async def copy_database(source: str) -> str:
     name = f"tf_af_{uuid.uuid4().hex[:12]}"
-    await admin_sql(f'CREATE DATABASE "{name}" TEMPLATE "{source}"')
+    await admin_sql(_Server.get(), f'CREATE DATABASE "{name}" TEMPLATE "{source}"')
     return name
+
+
+async def drop_database(name: str) -> None:
+    await admin_sql(_Server.get(), drop_database_sql(name))
 
 
 @pytest.fixture
@@ -73,11 +94,11 @@ async def airflow_db(airflow_template: str) -> AsyncIterator[str]:
     """Name of a fresh, migrated Airflow database (dropped afterwards)."""
     name = await copy_database(airflow_template)
     yield name
-    await admin_sql(drop_database_sql(name))
+    await drop_database(name)
 
 
 def dsn_of(database: str) -> str:
-    return f"{PG}/{database}"
+    return f"{_Server.get()}/{database}"
 
 
 @dataclass

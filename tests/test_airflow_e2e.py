@@ -4,8 +4,7 @@ the DAGs of tests/airflow_dags/ run to the states Airflow itself gives their tas
 The baseline serves the triggers with Airflow's own ``airflow triggerer``: it proves the stack
 and the expected states. The triggerflow variant runs the same DAGs with no ``airflow
 triggerer`` at all, served by ``triggerflow writer --airflow`` and one ``triggerflow consume
---airflow --queue Q`` per team (phase 2: collected only with TRIGGERFLOW_AIRFLOW_MODE_E2E=1
-until those commands land; the guard is meant to be removed then).
+--airflow --queue Q`` per team queue.
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import AMQP, FAST, PG, ROOT
+from tests.conftest import FAST, ROOT
 from triggerflow.bench.airflow_stack import AirflowStack
 
 DAGS = ROOT / "tests" / "airflow_dags"
@@ -64,9 +63,9 @@ class Outcome:
 
 
 @pytest.fixture
-def airflow_stack(tmp_path: Path) -> Iterator[AirflowStack]:
+def airflow_stack(tmp_path: Path, pg_server: str) -> Iterator[AirflowStack]:
     """A migrated, running Airflow stack with no triggerer; stopped and dropped afterwards."""
-    stack = AirflowStack(PG, DAGS, extra_env={
+    stack = AirflowStack(pg_server, DAGS, extra_env={
         "PYTHONPATH": str(ROOT),  # tests.airflow_triggers, for workers and triggerers alike
         "AIRFLOW_CONN_FS_DEFAULT": json.dumps({"conn_type": "fs", "extra": {"path": "/"}}),
     })
@@ -155,28 +154,28 @@ def test_airflow_dags_reach_airflows_states_with_airflow_triggerer(
     assert_airflow_outcome(out, airflow_stack)
 
 
-if os.environ.get("TRIGGERFLOW_AIRFLOW_MODE_E2E") == "1":  # phase 2: remove this guard
+def test_airflow_dags_reach_airflows_states_with_triggerflow(
+        airflow_stack: AirflowStack, tmp_path: Path, amqp_server: str) -> None:
+    """No ``airflow triggerer``: triggerflow's writer and one consumer per queue serve."""
+    from triggerflow.settings import Settings
 
-    def test_airflow_dags_reach_airflows_states_with_triggerflow(
-            airflow_stack: AirflowStack, tmp_path: Path) -> None:
-        """No ``airflow triggerer``: triggerflow's writer and one consumer per queue serve."""
-        from triggerflow.settings import Settings
-
-        settings = Settings(
-            database_url=airflow_stack.database_url, amqp_url=AMQP,
-            namespace=f"tfaf{os.getpid()}",
-            allowed_modules=["airflow.providers.standard.triggers", "tests.airflow_triggers"],
-            **FAST,  # type: ignore[arg-type]
-        )
-        env = {**airflow_stack.env, **settings.as_env(), "PYTHONUNBUFFERED": "1"}
-        tf = [sys.executable, "-m", "triggerflow"]
-        subprocess.run([*tf, "airflow", "setup", "--database-url", airflow_stack.database_url],
-                       env=env, check=True, timeout=120)
-        airflow_stack.spawn("tf-writer", [*tf, "writer", "--airflow"], env)
-        for queue in QUEUES:
-            airflow_stack.spawn(f"tf-consume-{queue}", [*tf, "consume", "--airflow", "--queue", queue],
-                                env)
-        # Airflow sees a healthy triggerer while triggerflow serves (the writer's heartbeat).
-        airflow_stack.wait_healthy(["triggerer"], 60)
-        out = run_e2e_dags(airflow_stack, tmp_path)
-        assert_airflow_outcome(out, airflow_stack)
+    settings = Settings(
+        database_url=airflow_stack.database_url, amqp_url=amqp_server,
+        namespace=f"tfaf{os.getpid()}",
+        allowed_modules=["airflow.providers.standard.triggers", "tests.airflow_triggers"],
+        **FAST,  # type: ignore[arg-type]
+    )
+    env = {**airflow_stack.env, **settings.as_env(), "PYTHONUNBUFFERED": "1"}
+    tf = [sys.executable, "-m", "triggerflow"]
+    subprocess.run([*tf, "airflow", "setup", "--database-url", airflow_stack.database_url],
+                   env=env, check=True, timeout=120)
+    queue_flags = [flag for q in QUEUES for flag in ("--queue", q)]
+    subprocess.run([*tf, "topology", "apply", *queue_flags], env=env, check=True, timeout=120)
+    airflow_stack.spawn("tf-writer", [*tf, "writer", "--airflow"], env)
+    for queue in QUEUES:
+        airflow_stack.spawn(f"tf-consume-{queue}", [*tf, "consume", "--airflow", "--queue", queue],
+                            env)
+    # Airflow sees a healthy triggerer while triggerflow serves (the writer's heartbeat).
+    airflow_stack.wait_healthy(["triggerer"], 60)
+    out = run_e2e_dags(airflow_stack, tmp_path)
+    assert_airflow_outcome(out, airflow_stack)

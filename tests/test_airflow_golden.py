@@ -30,9 +30,9 @@ from tests.airflow_support import (
     airflow_env,
     airflow_template,
     copy_database,
+    drop_database,
     dsn_of,
 )
-from tests.conftest import admin_sql, drop_database_sql
 from triggerflow.airflow import setup as airflow_setup
 from triggerflow.airflow.codec import encode_event, failure_body
 from triggerflow.airflow.events import AirflowEvent, apply_events, needs_airflow
@@ -169,4 +169,4 @@ async def test_writer_writes_the_rows_airflow_writes(airflow_db: str) -> None:
                           "failed_retry": "up_for_retry",
                           "skipped": "skipped", "cleared": "up_for_retry"}
     finally:
-        await admin_sql(drop_database_sql(ours))
+        await drop_database(ours)

@@ -7,6 +7,7 @@ by the store (each mode stores them its own way), or with the reason they could 
 from __future__ import annotations
 
 import importlib
+from typing import Protocol
 
 from triggerflow.model import is_allowed
 from triggerflow.store.interface import KwargsProblem, TriggerSpec
@@ -23,6 +24,13 @@ class Unloadable(Exception):
 
 class BadKwargs(Exception):
     """The stored kwargs do not build the class: fail the task."""
+
+
+class Loader(Protocol):
+    """What the consumer needs of a loader (native: ``TriggerLoader``; Airflow mode:
+    ``triggerflow.airflow.loader.AirflowLoader``)."""
+
+    def build(self, spec: TriggerSpec) -> BaseTrigger: ...
 
 
 class TriggerLoader:

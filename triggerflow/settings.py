@@ -58,6 +58,22 @@ class Settings(BaseSettings):
     )
     namespace: str = Field("triggerflow", description="Prefix of every exchange and shared queue.")
 
+    # -- Airflow mode (docs/airflow.md) ---------------------------------------------------
+    airflow: bool = Field(
+        False,
+        description=(
+            "Serve an Airflow 3.3 metadata database (DATABASE_URL) in place of `airflow "
+            "triggerer`: Airflow's trigger rows, classes and event semantics."
+        ),
+    )
+    default_queue: str | None = Field(
+        None,
+        description=(
+            "Airflow mode: the queue of trigger rows that have none. Unset: such rows are left "
+            "to Airflow's own triggerer."
+        ),
+    )
+
     # -- consumer -----------------------------------------------------------------------
     queues: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="Team queues to consume / scope."

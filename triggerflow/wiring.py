@@ -25,7 +25,12 @@ def kwargs_codec(settings: Settings) -> KwargsCodec:
 
 
 async def connect_store(settings: Settings, *, max_size: int | None = None) -> Store:
-    """The store ``settings`` ask for, connected (native mode: PostgreSQL)."""
+    """The store ``settings`` ask for, connected (native mode: PostgreSQL; ``airflow``:
+    Airflow's metadata database)."""
+    if settings.airflow:
+        from triggerflow.airflow import serve
+
+        return await serve.connect_store(settings, max_size=max_size)
     from triggerflow.store.postgres import PostgresStore
 
     return await PostgresStore.connect(
@@ -52,6 +57,10 @@ async def serve_consumer(settings: Settings, stop: asyncio.Event) -> int:
     transport = make_transport(
         settings, name=f"triggerflow-consumer:{','.join(settings.queues)}")
     try:
+        if settings.airflow:
+            from triggerflow.airflow import serve
+
+            return await serve.serve_consumer(settings, store, transport, stop)
         return await Consumer(settings, store, transport).run(stop)
     finally:
         await store.close()
@@ -64,6 +73,10 @@ async def serve_writer(settings: Settings, stop: asyncio.Event) -> int:
     store = await connect_store(settings)
     transport = make_transport(settings, name="triggerflow-writer")
     try:
+        if settings.airflow:
+            from triggerflow.airflow import serve
+
+            return await serve.serve_writer(settings, store, transport, stop)
         return await Writer(settings, store, transport).run(stop)
     finally:
         await store.close()

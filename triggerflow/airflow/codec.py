@@ -64,3 +64,27 @@ def encode_outcome(kind: EventKind, payload: Any) -> tuple[str, str]:
     if payload:
         xcoms = {key: XComModel.serialize_value(value) for key, value in payload.items()}
     return str(kind), json.dumps({"xcoms": xcoms, "serde_xcoms": serialize(payload)})
+
+
+class Encoded:
+    """A payload already in the wire form ``AirflowStore`` applies (built by
+    ``loader.AirflowCoroutine``): ``wire_outcome`` passes it through instead of encoding it
+    again."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, body: str) -> None:
+        self.value = json.loads(body)
+
+
+def wire_outcome(kind: EventKind, payload: Any) -> tuple[EventKind, Any]:
+    """The consumer's ``Outcomes`` hook in Airflow mode: what the runner emitted -> the kind
+    and JSON value ``AirflowStore.apply_events`` reads as the event body.
+
+    A payload ``loader.AirflowCoroutine`` already encoded passes through; heap timers and the
+    runner's own failures (exited without an event, could not be loaded) are encoded here.
+    """
+    if isinstance(payload, Encoded):
+        return kind, payload.value
+    encoded_kind, body = encode_outcome(kind, payload)
+    return EventKind(encoded_kind), json.loads(body)

@@ -74,6 +74,9 @@ async def triggerer_job(pool: asyncpg.Pool, interval: float = 5.0) -> AsyncItera
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
-        with contextlib.suppress(OSError, asyncpg.PostgresError, asyncpg.InterfaceError):
-            async with pool.acquire() as conn:
+        # Bounded: a writer stopping while the database is away must still exit (the row
+        # then goes stale, which Airflow reads as a stopped triggerer anyway).
+        with contextlib.suppress(OSError, asyncpg.PostgresError, asyncpg.InterfaceError,
+                                 TimeoutError):
+            async with asyncio.timeout(5), pool.acquire() as conn:
                 await stop_job(conn, job_id)

@@ -50,6 +50,10 @@ from triggerflow.wire import Event
 _DISCONNECTED: tuple[type[BaseException], ...] = (
     OSError, asyncpg.InterfaceError, asyncpg.PostgresConnectionError,
     asyncpg.CannotConnectNowError, asyncpg.AdminShutdownError,
+    # A transaction's connection lost mid-batch (server restart): asyncpg's rollback then
+    # fails with "cannot switch to state ...; another operation is in progress". Measured in
+    # tests/test_airflow_faults.py; without it the writer's apply task died.
+    asyncpg.InternalClientError,
 )
 # Bad content in an event body (not JSON, wrong JSON type): the batch is refused.
 _REFUSED: tuple[type[BaseException], ...] = (asyncpg.DataError,)

@@ -61,8 +61,10 @@ def as_timer(trigger: Any) -> TimerTrigger | None:
     """The heap timer standing for an Airflow trigger, or None when it must run as itself."""
     if type(trigger) not in (DateTimeTrigger, TimeDeltaTrigger):  # a subclass may override run()
         return None
-    target = trigger.target_time
-    if trigger._moment is None and isinstance(target, str) and "{" in target:
+    # ``target_time`` (templated or ISO text) exists from provider 1.21 on; the pinned 1.19
+    # only has ``moment``.
+    target = getattr(trigger, "target_time", None)
+    if getattr(trigger, "_moment", None) is None and isinstance(target, str) and "{" in target:
         return None  # an unrendered template
     try:
         deadline = trigger.moment.timestamp()

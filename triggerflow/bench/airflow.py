@@ -14,9 +14,11 @@ runner) before the rows and at the instant, the triggers it held at the instant,
 statements per applied event from ``pg_stat_statements`` for this database (the bench's own
 polling subtracted).
 
-PHASE 2 HOOK: ``serve_with_triggerflow`` is where triggerflow's ``writer --airflow`` and
-``consume --airflow`` take the triggerer's place on identical rows (same seed, same instant
-rule) so that one run prints both and their ratio. It is not implemented yet.
+Each size runs twice on identical rows (same seed, same instant rule), each time on a fresh
+stack: served by Airflow's own triggerer (``serve_with_airflow_triggerer``), then by
+triggerflow's ``writer --airflow`` and ``consume --airflow`` (``serve_with_triggerflow``; the
+memory is the consumer's, the process holding the waiting triggers). The table prints both
+and the ratio of all-applied times.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -102,20 +105,56 @@ class _Db:
         self.conn.close()
 
 
-def serve_with_airflow_triggerer(stack: AirflowStack) -> None:
+@dataclass(frozen=True)
+class Served:
+    """Who serves the triggers: the process whose memory is measured (the one holding the
+    waiting triggers) and the query counting the triggers it holds."""
+
+    name: str
+    process: str
+    held_sql: str
+
+
+AIRFLOW_TRIGGERER = Served("airflow triggerer", "triggerer",
+                           "SELECT count(*) FROM trigger WHERE triggerer_id IS NOT NULL")
+TRIGGERFLOW = Served("triggerflow", "tf-consume",
+                     "SELECT count(*) FROM triggerflow.trigger_state WHERE owner_id IS NOT NULL")
+
+
+def serve_with_airflow_triggerer(stack: AirflowStack) -> Served:
     """The baseline: Airflow's own triggerer on the bench queue."""
     stack.start_triggerer([QUEUE])
+    return AIRFLOW_TRIGGERER
 
 
-def serve_with_triggerflow(stack: AirflowStack) -> None:
-    """PHASE 2 HOOK: start ``triggerflow airflow setup``, ``triggerflow writer --airflow`` and
-    ``triggerflow consume --airflow --queue team-bench`` against ``stack.database_url`` (with
-    ``stack.env`` for Airflow's config), like the e2e test's triggerflow variant."""
-    raise NotImplementedError("triggerflow's Airflow mode is phase 2")
+def serve_with_triggerflow(stack: AirflowStack, amqp_url: str) -> Served:
+    """``triggerflow airflow setup``, then ``writer --airflow`` and ``consume --airflow --queue
+    team-bench`` on the stack's database (with ``stack.env``: Airflow's Fernet key), as a
+    deployment runs them; returns once Airflow reports the triggerer healthy."""
+    import os
+
+    from triggerflow.settings import Settings
+
+    settings = Settings(database_url=stack.database_url, amqp_url=amqp_url,
+                        namespace=f"tfbenchaf{os.getpid()}",
+                        allowed_modules=["airflow.providers.standard.triggers"])
+    env = {**stack.env, **settings.as_env(), "PYTHONUNBUFFERED": "1"}
+    tf = [sys.executable, "-m", "triggerflow"]
+    for argv in ([*tf, "airflow", "setup", "--database-url", stack.database_url],
+                 [*tf, "topology", "apply", "--queue", QUEUE]):
+        done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120,
+                              check=False)
+        if done.returncode != 0:
+            raise RuntimeError(f"{' '.join(argv[2:4])} failed:\n{done.stderr[-4000:]}")
+    stack.spawn("tf-writer", [*tf, "writer", "--airflow"], env)
+    stack.spawn(TRIGGERFLOW.process, [*tf, "consume", "--airflow", "--queue", QUEUE], env)
+    stack.wait_healthy(["triggerer"], 60)  # the writer's TriggererJob heartbeat
+    return TRIGGERFLOW
 
 
 def measure(server_url: str, n: int, limit: float, log: Any = print,
-            serve: Any = serve_with_airflow_triggerer) -> dict[str, Any]:
+            serve: Callable[[AirflowStack], Served] = serve_with_airflow_triggerer,
+            ) -> dict[str, Any]:
     """One burst of ``n`` on a fresh stack; returns the measurements (see the module doc)."""
     dags = Path(tempfile.mkdtemp(prefix="tf-bench-airflow-dags-"))
     (dags / "tf_bench_airflow.py").write_text(bench_dag(n, QUEUE))
@@ -127,12 +166,12 @@ def measure(server_url: str, n: int, limit: float, log: Any = print,
         db = _Db(stack.database_url)
         db.one("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
         stack.run_cli("dags", "reserialize", timeout=300)
-        serve(stack)
+        served = serve(stack)
         time.sleep(3.0)  # let the triggerer settle before its empty RSS is read
-        pgid = stack.processes["triggerer"].popen.pid if "triggerer" in stack.processes else 0
+        pgid = stack.processes[served.process].popen.pid if served.process in stack.processes else 0
         rss_empty = _tree_rss(pgid) if pgid else 0
         lead = 2.5 + n / 2500
-        log(f"airflow bench N={n:,}: migrated in {migrate_s:.1f}s; seeding")
+        log(f"airflow bench N={n:,} ({served.name}): migrated in {migrate_s:.1f}s; seeding")
         seeded = seed_rows(stack, n, lead)
         instant = datetime.fromisoformat(seeded["instant"])
         log(f"airflow bench N={n:,}: run with {n:,} task instances made in "
@@ -141,7 +180,7 @@ def measure(server_url: str, n: int, limit: float, log: Any = print,
         own_before = db.own
         while datetime.now(UTC) < instant:
             time.sleep(0.05)
-        held = db.one("SELECT count(*) FROM trigger WHERE triggerer_id IS NOT NULL")
+        held = db.one(served.held_sql)
         rss_at = _tree_rss(pgid) if pgid else 0
         deadline = time.monotonic() + limit
         waiting = n
@@ -159,7 +198,7 @@ def measure(server_url: str, n: int, limit: float, log: Any = print,
         applied = len(lat)
         statements = None if before is None or after is None else after - before - (db.own - own_before)
         result = {
-            "n": n, "applied": applied, "limit_s": limit, "lead_s": lead,
+            "served_by": served.name, "n": n, "applied": applied, "limit_s": limit, "lead_s": lead,
             "create_s": seeded["create_s"], "defer_s": seeded["defer_s"],
             "latency": dist(lat), "all_applied_s": max(lat) if applied == n else None,
             "held_at_instant": held, "rss_empty": rss_empty, "rss_at_instant": rss_at,
@@ -167,7 +206,7 @@ def measure(server_url: str, n: int, limit: float, log: Any = print,
             "statements": statements,
             "statements_per_event": statements / applied if statements and applied else None,
         }
-        log(f"airflow bench N={n:,}: {applied:,}/{n:,} scheduled"
+        log(f"airflow bench N={n:,} ({served.name}): {applied:,}/{n:,} scheduled"
             + (f", all in {result['all_applied_s']:.1f}s" if result["all_applied_s"] else
                f" within {limit:.0f}s")
             + (f", p50 {result['latency']['p50']:.1f}s" if applied else ""))
@@ -190,10 +229,11 @@ def seed_rows(stack: AirflowStack, n: int, lead: float, instant: str | None = No
     return result
 
 
-def run_airflow_bench(database_url: str, quick: bool) -> int:
-    """``triggerflow bench airflow [--quick]``: each size against Airflow's own triggerer, on
-    the PostgreSQL server of ``database_url`` (a database of its own per size); prints a table
-    and saves the raw results under bench-results/."""
+def run_airflow_bench(database_url: str, amqp_url: str, quick: bool) -> int:
+    """``triggerflow bench airflow [--quick]``: each size served by Airflow's own triggerer,
+    then by triggerflow, on the PostgreSQL server of ``database_url`` (a database of its own
+    per run) and the broker of ``amqp_url``; prints a table and saves the raw results under
+    bench-results/."""
     from urllib.parse import urlsplit, urlunsplit
 
     from rich.console import Console
@@ -201,16 +241,33 @@ def run_airflow_bench(database_url: str, quick: bool) -> int:
     console = Console(log_path=False, width=None if sys.stdout.isatty() else 150)
     server_url = urlunsplit(urlsplit(database_url)._replace(path="", query=""))
     sizes = QUICK if quick else FULL
-    rows = [measure(server_url, n, sizes.limit, console.log) for n in sizes.counts]
+    rows: list[dict[str, Any]] = []
+    for n in sizes.counts:
+        theirs = measure(server_url, n, sizes.limit, console.log)
+        ours = measure(server_url, n, sizes.limit, console.log,
+                       serve=lambda stack: serve_with_triggerflow(stack, amqp_url))
+        rows += [theirs, ours]
     console.print(table_airflow(rows))
     out = Path("bench-results")
     out.mkdir(exist_ok=True)
     path = out / f"bench-airflow-{datetime.now():%Y%m%d-%H%M%S}{'-quick' if quick else ''}.json"
     path.write_text(json.dumps({"command": "triggerflow bench airflow" + (" --quick" if quick else ""),
-                                "sizes": sizes.__dict__, "queue": QUEUE,
-                                "airflow_triggerer": rows}, indent=1, default=str))
+                                "sizes": sizes.__dict__, "queue": QUEUE, "runs": rows},
+                               indent=1, default=str))
     console.print(f"raw results: {path}")
-    return 0 if all(r["applied"] == r["n"] for r in rows) else 1
+    ours_ok = all(r["applied"] == r["n"] for r in rows if r["served_by"] == TRIGGERFLOW.name)
+    return 0 if ours_ok else 1
+
+
+def speedup(theirs: dict[str, Any], ours: dict[str, Any]) -> str:
+    """How many times sooner triggerflow had every task scheduled; a lower bound (">") when
+    Airflow's triggerer did not finish within the limit."""
+    if ours["all_applied_s"] is None:
+        return "-"
+    mine = max(ours["all_applied_s"], 1e-3)
+    if theirs["all_applied_s"] is None:
+        return f"> {theirs['limit_s'] / mine:.0f}x"
+    return f"{theirs['all_applied_s'] / mine:.0f}x"
 
 
 def table_airflow(rows: list[dict[str, Any]]) -> Any:
@@ -218,21 +275,28 @@ def table_airflow(rows: list[dict[str, Any]]) -> Any:
 
     from triggerflow.bench.common import ms, num
 
-    t = Table(title="Airflow 3.3.2's own `airflow triggerer`: N DateTimeSensorAsync firing at "
-              "one instant (no scheduler)")
-    for col in ("N", "scheduled", "p50", "p99", "all applied", "held at instant",
-                "RSS empty", "per held trigger", "statements/event"):
+    t = Table(title="N DateTimeSensorAsync firing at one instant in Airflow 3.3.2 (no scheduler): "
+              "Airflow's own triggerer vs triggerflow on identical rows")
+    for col in ("served by", "N", "scheduled", "p50", "p99", "all applied", "held at instant",
+                "RSS empty", "per held trigger", "statements/event", "vs airflow"):
         t.add_column(col, justify="right")
+    baseline: dict[int, dict[str, Any]] = {}
     for r in rows:
         lat = r["latency"]
-        t.add_row(num(r["n"]), f"{num(r['applied'])} in {r['limit_s']:.0f} s", ms(lat["p50"]),
+        if r["served_by"] == AIRFLOW_TRIGGERER.name:
+            baseline[r["n"]] = r
+        ratio = speedup(baseline[r["n"]], r) if r["served_by"] == TRIGGERFLOW.name and (
+            r["n"] in baseline) else ""
+        t.add_row(r["served_by"], num(r["n"]), f"{num(r['applied'])} in {r['limit_s']:.0f} s", ms(lat["p50"]),
                   ms(lat["p99"]), ms(r["all_applied_s"]), num(r["held_at_instant"]),
                   f"{r['rss_empty'] / 2**20:.0f} MiB",
                   "-" if r["bytes_per_held_trigger"] is None
                   else f"{r['bytes_per_held_trigger'] / 1024:.1f} KB",
-                  num(r["statements_per_event"], 1))
+                  num(r["statements_per_event"], 1), ratio)
     t.caption = ("Latency = Airflow's scheduled_dttm - the instant; the instant is 2.5 s + N/2,500 s "
                  "after the task instances exist, deferral included (the native burst's rule). "
-                 "RSS = the triggerer's process tree. Statements from pg_stat_statements "
+                 "RSS = the process tree holding the triggers (Airflow's triggerer; triggerflow's "
+                 "consumer). vs airflow = Airflow's all-applied time / triggerflow's. "
+                 "Statements from pg_stat_statements "
                  "(\"-\" when PostgreSQL does not preload it).")
     return t

@@ -1,7 +1,7 @@
 """A real Airflow 3 stack on this machine, for the e2e tests and ``triggerflow bench airflow``.
 
 ``AirflowStack`` owns an ``AIRFLOW_HOME`` in a temporary directory and a fresh PostgreSQL
-database for Airflow's metadata (on the server the caller names, e.g. the tests' ``PG``). It
+database for Airflow's metadata (on the server the caller names, e.g. the tests' ``pg_server``). It
 runs ``airflow db migrate``, then starts Airflow's scheduler, API server and dag-processor
 with the LocalExecutor and ``[triggerer] queues_enabled = True`` (so a trigger row carries
 the deferring task's queue). It never starts ``airflow triggerer`` unless asked

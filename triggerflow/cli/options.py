@@ -30,10 +30,11 @@ CONSUMER = ("queues", "capacity", "allowed_modules", "lease_ttl", "renew_interva
             "claim_batch", "prefetch", "reclaim_rate", "probation_seconds",
             "max_failures", "blocked_threshold", "subscription_check_interval", "event_batch",
             "event_linger", "max_event_bytes", "reaper_interval", "cancel_sweep_interval",
-            "unclaimed_grace", "max_deferral", "kwargs_key", "kwargs_keys")
+            "unclaimed_grace", "max_deferral", "kwargs_key", "kwargs_keys", "airflow",
+            "default_queue")
 WRITER = ("writer_batch", "writer_prefetch", "team_users", "lease_ttl", "renew_interval",
           "reaper_interval", "unclaimed_grace", "max_deferral", "reclaim_rate",
-          "subscription_check_interval")
+          "subscription_check_interval", "airflow", "default_queue")
 SDK = ("allowed_modules", "max_kwargs_bytes", "max_deferral", "kwargs_key", "kwargs_keys")
 
 # Durations are given in seconds on the command line, as in the environment.

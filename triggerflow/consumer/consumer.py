@@ -17,12 +17,12 @@ from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
 from triggerflow.consumer.observe import ConsumerObserver
-from triggerflow.consumer.outcomes import Outcomes
+from triggerflow.consumer.outcomes import EncodeFn, Outcomes
 from triggerflow.consumer.probation import Probation
 from triggerflow.consumer.rebalance import excess
 from triggerflow.emitter import EventSink
 from triggerflow.lease import Lease, LeaseLost
-from triggerflow.loader import BadKwargs, Disallowed, TriggerLoader, Unloadable
+from triggerflow.loader import BadKwargs, Disallowed, Loader, TriggerLoader, Unloadable
 from triggerflow.model import EventKind, FailureReason
 from triggerflow.reaper import Reaper
 from triggerflow.runner import Held, TriggerRunner, failure
@@ -49,19 +49,22 @@ class Consumer:
     Raises ValueError when ``settings.queues`` is empty.
     """
 
-    def __init__(self, settings: Settings, store: Store, transport: Transport) -> None:
+    def __init__(self, settings: Settings, store: Store, transport: Transport, *,
+                 loader: Loader | None = None, encode: EncodeFn | None = None) -> None:
         if not settings.queues:
             raise ValueError("a consumer needs at least one queue")
         self.settings = settings
         self.store = store
         self.transport = transport
         self.queues = list(settings.queues)
-        self.loader = TriggerLoader(settings.allowed_modules)
+        # Airflow mode passes its own (Airflow's classes, timers and serialisers).
+        self.loader: Loader = loader or TriggerLoader(settings.allowed_modules)
         self.lease = Lease(store, ProcessKind.CONSUMER, queues=self.queues,
                            capacity=settings.capacity, ttl=settings.lease_ttl.total_seconds(),
                            renew_interval=settings.renew_interval.total_seconds())
         self.sink = EventSink(transport, settings)
-        self.outcomes = Outcomes(self.sink, self.lease, settings, on_fired=self._on_fired)
+        self.outcomes = Outcomes(self.sink, self.lease, settings, on_fired=self._on_fired,
+                                encode=encode)
         self.runner = TriggerRunner(self.outcomes.emit)
         self.reaper = Reaper(store, transport, settings, take_locally=self._take_locally)
         self.subscriptions = Subscriptions(

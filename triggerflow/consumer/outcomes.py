@@ -18,6 +18,9 @@ from triggerflow.wire import Event, PayloadError, validate_payload
 
 log = logging.getLogger(__name__)
 
+# A mode's own payload encoding (Airflow's serialisers), applied before validation.
+EncodeFn = Callable[[EventKind, Any], tuple[EventKind, Any]]
+
 
 class Outcomes:
     """Validates a trigger's outcome, stamps it with (trigger id, attempt), queues it.
@@ -28,8 +31,9 @@ class Outcomes:
     """
 
     def __init__(self, sink: EventSink, lease: Lease, settings: Settings,
-                 on_fired: Callable[[], None]) -> None:
+                 on_fired: Callable[[], None], encode: EncodeFn | None = None) -> None:
         self.sink = sink
+        self.encode = encode
         self.lease = lease
         self.max_event_bytes = settings.max_event_bytes
         self.on_fired = on_fired
@@ -38,13 +42,18 @@ class Outcomes:
     def emit(self, held: Held, kind: EventKind, payload: Any) -> None:
         if not self.lease.valid():
             return
+        if self.encode is not None:
+            kind, payload = self.encode(kind, payload)
         reason: str | None = None
         try:
             text = validate_payload(payload, self.max_event_bytes)
         except PayloadError as exc:
             reason = FailureReason.TRIGGER_FAILURE
-            kind, text = EventKind.FAIL, validate_payload(
-                failure(FailureReason.TRIGGER_FAILURE, f"{held.classpath}: {exc}"), 1 << 20)
+            kind, fallback = EventKind.FAIL, failure(FailureReason.TRIGGER_FAILURE,
+                                                     f"{held.classpath}: {exc}")
+            if self.encode is not None:
+                kind, fallback = self.encode(kind, fallback)
+            text = validate_payload(fallback, 1 << 20)
         fired = time.time()
         traceparent = None
         if held.traceparent and tracing_enabled():

@@ -1,0 +1,201 @@
+"""Airflow mode under real faults, as native mode's tests/test_faults.py: SIGKILL of a
+consumer holding Airflow triggers, a PostgreSQL restart mid-burst, a broker restart (the
+suite's own services only). ``triggerflow writer --airflow`` and ``consume --airflow`` run
+as real processes on an Airflow 3.3.2 database; every task instance still resumes exactly
+once: ``scheduled`` with the event Airflow's ``DateTimeTrigger`` yields, its trigger row gone,
+and no event applied twice (a second would find the task no longer deferred: the writer's
+``trigger_id`` fence; the test checks the rows the writer left)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import subprocess
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import aio_pika
+import asyncpg
+import pendulum
+import pytest
+
+from tests.airflow_support import add_dag_run, add_deferred_task, airflow_db, airflow_template, dsn_of
+from tests.conftest import FAST, Processes, SuiteServices, wait_until
+from triggerflow.airflow import setup as airflow_setup
+from triggerflow.settings import Settings
+from triggerflow.transport.rabbitmq import RabbitTransport, Topology
+
+__all__ = ["airflow_db", "airflow_template"]
+
+DATETIME_TRIGGER = "airflow.providers.standard.triggers.temporal.DateTimeTrigger"
+FAILOVER_BOUND = FAST["lease_ttl"] + FAST["renew_interval"] + 1.5  # ttl + one renewal + claim
+
+
+@dataclass
+class Served:
+    dsn: str
+    queue: str
+    procs: Processes
+
+    async def scalar(self, sql: str, *args: object) -> object:
+        conn = await asyncpg.connect(self.dsn)
+        try:
+            return await conn.fetchval(sql, *args)
+        finally:
+            await conn.close()
+
+    async def defer(self, n: int, first_in: float, spread: float = 0.0, prefix: str = "t") -> None:
+        """``n`` task instances deferred on Airflow ``DateTimeTrigger`` rows, as the API server
+        writes them (trigger row and task instance in one transaction, so the NOTIFY arrives
+        with the task already deferred); moments ``first_in`` .. ``first_in + spread`` s away."""
+        from triggerflow.airflow.kwargs import encrypt_kwargs
+
+        now = pendulum.now("UTC")
+        conn = await asyncpg.connect(self.dsn)
+        try:
+            async with conn.transaction():
+                for i in range(n):
+                    moment = now.add(seconds=first_in + spread * i / max(n, 1))
+                    kwargs = encrypt_kwargs({"moment": moment, "end_from_trigger": False})
+                    await add_deferred_task(conn, f"{prefix}{i}", DATETIME_TRIGGER, kwargs,
+                                            queue=self.queue)
+        finally:
+            await conn.close()
+
+    async def scheduled(self, prefix: str, n: int) -> bool:
+        return await self.scalar(  # type: ignore[return-value]
+            "SELECT count(*) = $2 FROM task_instance WHERE task_id LIKE $1 || '%' "
+            "AND state = 'scheduled' AND next_kwargs ? 'event' AND trigger_id IS NULL",
+            prefix, n)
+
+    async def assert_resumed_once(self, total: int) -> None:
+        # Every task resumed by its own trigger's event: the moment its trigger was given.
+        wrong = await self.scalar(
+            "SELECT count(*) FROM task_instance WHERE state <> 'scheduled' "
+            "OR next_method <> 'execute_complete' OR NOT next_kwargs ? 'event'")
+        assert wrong == 0
+        assert await self.scalar("SELECT count(*) FROM task_instance") == total
+        await wait_until(lambda: self.scalar('SELECT count(*) = 0 FROM "trigger"'), 15,
+                         message="every trigger row deleted")
+        # A re-send racing an apply can leave bookkeeping for a deleted row; the writer's
+        # backstop (whole-table clean_unused, every reaper_interval) removes it.
+        await wait_until(lambda: self.scalar(
+            "SELECT count(*) = 0 FROM triggerflow.trigger_state"), 15,
+            message="no triggerflow bookkeeping left")
+
+    async def consumer_id(self, proc: subprocess.Popen[bytes]) -> int:
+        async def find() -> object:
+            return await self.scalar(
+                "SELECT max(id) FROM triggerflow.consumer WHERE pid = $1 AND kind = 'consumer' "
+                "AND expires_at > now()", proc.pid)
+
+        return int(await wait_until(find, 30, message=f"consumer {proc.pid} registered"))  # type: ignore[call-overload]
+
+    async def all_owned_by(self, owner: int, n: int) -> bool:
+        return await self.scalar(  # type: ignore[return-value]
+            "SELECT count(*) = $2 FROM triggerflow.trigger_state WHERE owner_id = $1", owner, n)
+
+
+@pytest.fixture
+async def served(airflow_db: str, services: SuiteServices, tmp_path: Path) -> AsyncIterator[Served]:
+    """Airflow's database set up for triggerflow, one team queue declared, and the processes
+    of ``triggerflow consume/writer --airflow`` (killed at teardown)."""
+    dsn = dsn_of(airflow_db)
+    await airflow_setup.setup(dsn)
+    conn = await asyncpg.connect(dsn)
+    try:
+        await add_dag_run(conn)
+    finally:
+        await conn.close()
+    namespace = f"tfaf{uuid.uuid4().hex[:10]}"
+    queue = f"{namespace}-team"
+    settings = Settings(database_url=dsn, amqp_url=services.amqp, namespace=namespace,
+                        allowed_modules=["airflow.providers.standard.triggers"], airflow=True,
+                        **FAST)  # type: ignore[arg-type]
+    topology = Topology(namespace)
+    broker = RabbitTransport(settings.amqp_dsn(), topology, name="test-topology")
+    await broker.connect()
+    await broker.declare([queue])
+    await broker.close()
+    procs = Processes(settings, tmp_path)
+    try:
+        yield Served(dsn, queue, procs)
+    finally:
+        procs.stop_all()
+        amqp = await aio_pika.connect(settings.amqp_dsn())
+        try:
+            for method, name in [("queue_delete", q) for q in (queue, topology.events_queue,
+                                                                 topology.dead_queue)] + [
+                    ("exchange_delete", x) for x in topology.exchanges()]:
+                ch = await amqp.channel()
+                with contextlib.suppress(Exception):
+                    await getattr(ch, method)(name)
+                if not ch.is_closed:
+                    await ch.close()
+        finally:
+            await amqp.close()
+
+
+async def test_sigkill_of_a_consumer_holding_airflow_triggers_fails_over(served: Served) -> None:
+    served.procs.writer()
+    first = served.procs.consume(served.queue)
+    first_id = await served.consumer_id(first)
+    await served.defer(300, first_in=20)
+    await wait_until(lambda: served.all_owned_by(first_id, 300), 30,
+                     message="first consumer holds all, woken through NOTIFY")
+    second = served.procs.consume(served.queue)
+    second_id = await served.consumer_id(second)
+    await asyncio.sleep(0.3)
+    started = time.monotonic()
+    first.send_signal(signal.SIGKILL)
+    await wait_until(lambda: served.all_owned_by(second_id, 300), 15, interval=0.05,
+                     message="peer holds all")
+    took = time.monotonic() - started
+    assert took < FAILOVER_BOUND, f"failover took {took:.2f}s (bound {FAILOVER_BOUND}s)"
+    assert await served.scalar("SELECT max(failures) FROM triggerflow.trigger_state") == 1
+    await wait_until(lambda: served.scheduled("t", 300), 60, interval=0.5,
+                     message="every task resumed by the peer")
+    await served.assert_resumed_once(300)
+
+
+async def test_postgres_restart_mid_burst_loses_no_airflow_event(
+        served: Served, services: SuiteServices) -> None:
+    services.owned("pg")  # skip before starting anything when PostgreSQL is not ours
+    served.procs.writer()
+    await served.consumer_id(served.procs.consume(served.queue))
+    await served.defer(2000, first_in=5, spread=8)  # firing over ~8 s
+    await wait_until(lambda: served.scalar(
+        "SELECT count(*) BETWEEN 1 AND 1900 FROM task_instance WHERE state = 'scheduled'"), 30,
+        interval=0.05, message="the burst under way")
+    await asyncio.to_thread(services.restart_postgres)
+    await wait_until(lambda: served.scheduled("t", 2000), 90, interval=0.5,
+                     message="every event applied after the restart")
+    await served.assert_resumed_once(2000)
+
+
+async def test_broker_restart_loses_no_airflow_trigger(
+        served: Served, services: SuiteServices) -> None:
+    node = services.rabbit()
+    served.procs.writer()
+    await served.consumer_id(served.procs.consume(served.queue))
+    await served.defer(300, first_in=8, prefix="a")
+    await wait_until(lambda: served.scalar(
+        "SELECT count(*) = 300 FROM triggerflow.trigger_state WHERE owner_id IS NOT NULL"), 30,
+        message="all claimed")
+    await asyncio.to_thread(node.stop_app)
+    try:
+        # Deferred while the broker is down: the NOTIFY's wake-up cannot be sent; the writer's
+        # backstop re-sends it once the broker is back.
+        await served.defer(200, first_in=2, prefix="b")
+        await asyncio.sleep(3)
+    finally:
+        await asyncio.to_thread(node.start_app)
+    await wait_until(lambda: served.scheduled("a", 300), 90, interval=0.5,
+                     message="claimed before the restart: all applied")
+    await wait_until(lambda: served.scheduled("b", 200), 90, interval=0.5,
+                     message="deferred during the restart: all applied")
+    await served.assert_resumed_once(500)

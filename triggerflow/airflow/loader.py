@@ -1,0 +1,100 @@
+"""Claimed Airflow trigger rows -> what the consumer's runner runs.
+
+Airflow's ``DateTimeTrigger``/``TimeDeltaTrigger`` become heap timers (``timers.as_timer``);
+every other Airflow trigger runs as itself inside ``AirflowCoroutine``, which hands the
+runner the event already encoded by Airflow's serialisers (``codec``), and an exception as
+the ``__fail__`` body ``Trigger.submit_failure`` writes (the ``format_exception`` list).
+The allow-list is checked on the classpath before anything is imported, as in native mode.
+
+Importing this module imports Airflow (``triggerflow[airflow]``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from triggerflow.airflow.codec import Encoded, encode_event, failure_body
+from triggerflow.airflow.kwargs import load_trigger_class
+from triggerflow.airflow.timers import as_timer
+from triggerflow.loader import BadKwargs, Disallowed, Unloadable
+from triggerflow.model import EventKind, is_allowed
+from triggerflow.store.interface import KwargsProblem, TriggerSpec
+from triggerflow.triggers.base import BaseTrigger, TriggerEvent
+
+
+class EncodedEvent(TriggerEvent):
+    """What ``AirflowCoroutine`` yields: the runner reads ``kind`` and ``payload``."""
+
+    def __init__(self, kind: EventKind, body: str) -> None:
+        super().__init__(Encoded(body))
+        self.kind = kind  # type: ignore[misc]  # per instance: the Airflow event decides
+
+
+class AirflowCoroutine(BaseTrigger):
+    """An Airflow trigger object run by triggerflow's runner, first event only, as Airflow's
+    triggerer runs it (``run()`` then ``cleanup()``)."""
+
+    def __init__(self, trigger: Any) -> None:
+        self.trigger = trigger
+
+    def serialize(self) -> tuple[str, dict[str, Any]]:
+        classpath, kwargs = self.trigger.serialize()
+        return str(classpath), dict(kwargs)
+
+    async def run(self) -> AsyncIterator[TriggerEvent]:
+        self.trigger.trigger_id = self.trigger_id
+        agen = self.trigger.run()
+        try:
+            event = await anext(agen)
+        except StopAsyncIteration:
+            raise  # the runner's "exited without sending an event"
+        except Exception as exc:
+            yield EncodedEvent(EventKind.FAIL, failure_body(exc))
+        else:
+            kind, body = encode_event(event)
+            yield EncodedEvent(EventKind(kind), body)
+        finally:
+            await agen.aclose()
+
+    async def cleanup(self) -> None:
+        await self.trigger.cleanup()
+
+
+class AirflowLoader:
+    """``TriggerLoader``'s contract for Airflow rows: ``build`` raises ``Disallowed``,
+    ``Unloadable`` or ``BadKwargs`` exactly where the native loader does."""
+
+    def __init__(self, allowed_modules: list[str]) -> None:
+        self.allowed_modules = allowed_modules
+        self._classes: dict[str, type[Any]] = {}
+
+    def resolve(self, classpath: str) -> type[Any]:
+        cls = self._classes.get(classpath)
+        if cls is not None:
+            return cls
+        if not is_allowed(classpath, self.allowed_modules):
+            raise Disallowed(f"trigger class {classpath!r} is not in the allowed modules "
+                             f"{self.allowed_modules}")
+        try:
+            cls = load_trigger_class(classpath)
+        except (ImportError, AttributeError) as exc:
+            raise Unloadable(f"cannot import trigger class {classpath!r}: {exc}") from exc
+        except TypeError as exc:
+            raise Disallowed(str(exc)) from exc
+        self._classes[classpath] = cls
+        return cls
+
+    def build(self, spec: TriggerSpec) -> BaseTrigger:
+        cls = self.resolve(spec.classpath)
+        problem = spec.kwargs_error
+        if problem is not None:
+            if problem.problem is KwargsProblem.UNREADABLE_HERE:
+                raise Unloadable(f"cannot decrypt kwargs of {spec.classpath}: {problem.message}")
+            raise BadKwargs(f"kwargs do not build {spec.classpath}: {problem.message}")
+        try:
+            trigger = cls(**(spec.kwargs or {}))
+        except Exception as exc:
+            raise BadKwargs(f"kwargs do not build {spec.classpath}: {exc!r}") from exc
+        # A timer keeps only its deadline; the Airflow object is dropped here.
+        return as_timer(trigger) or AirflowCoroutine(trigger)
