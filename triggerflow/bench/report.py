@@ -12,9 +12,11 @@ from triggerflow.bench.dbload import scenario_dbload, tables_dbload
 from triggerflow.bench.defer import scenario_defer, table_defer
 from triggerflow.bench.failover import scenario_failover, table_failover
 from triggerflow.bench.harness import Bench
+from triggerflow.bench.reference import scenario_reference, table_reference
 from triggerflow.bench.scenarios import (
     scenario_burst,
     scenario_capacity,
+    scenario_held,
     scenario_steady,
     table_burst,
     table_capacity,
@@ -68,6 +70,12 @@ def _summary_latency(results: dict[str, Any]) -> list[Row]:
         rows.append(_row(key, f"burst of {int(n):,}: p50 / p99 / all applied",
                          f"{ms(r['p50'])} / {ms(r['p99'])} / {ms(r['all_applied'])}",
                          r["all_applied"] <= limit))
+    for n, r in results.get("held", {}).get("sizes", {}).items():
+        key, limit = ("held_1k", 1.5) if int(n) <= 1_000 else ("held_10k", 1.3)
+        rows.append(_row(key, f"burst of {int(n):,} while {results['held']['held']:,} wait: "
+                         "all applied / reference", f"{ms(r['all_applied'])} / "
+                         f"{ms(r['reference_all_applied'])} = {r['ratio']:.2f}x",
+                         r["ratio"] <= limit))
     steady = results.get("steady")
     if steady:
         rows.append(_row("steady", f"steady {steady['rate']:,}/s: p50 / p99",
@@ -164,6 +172,7 @@ def plot_bursts(burst: dict[str, Any], path: Path) -> bool:
 # ----------------------------------------------------------------------------- entry point
 
 RUNNERS: dict[str, Callable[[Bench], Awaitable[dict[str, Any]]]] = {
+    "reference": scenario_reference, "held": scenario_held,
     "capacity": scenario_capacity, "burst": scenario_burst, "steady": scenario_steady,
     "dbload": scenario_dbload, "defer": scenario_defer, "failover": scenario_failover,
 }
@@ -174,6 +183,10 @@ def _tables(name: str, res: dict[str, Any], sizes: Sizes) -> list[Table]:
         return [table_capacity(res)]
     if name == "burst":
         return [table_burst(res, sizes.repeats)]
+    if name == "held":
+        return [table_burst(res, sizes.repeats, res["held"])]
+    if name == "reference":
+        return [table_reference(res)]
     if name == "steady":
         return [table_steady(res)]
     if name == "dbload":
