@@ -135,6 +135,7 @@ async def _worker(run_id: str, queue: str, instant: float) -> dict[str, Any]:
     await sub.set_qos(prefetch_count=settings.writer_prefetch)
     q = await sub.declare_queue(queue, durable=True, arguments={"x-queue-type": "quorum"})
     done = asyncio.Event()
+    warm = asyncio.Event()
     applied = 0
     statements = 0
 
@@ -142,8 +143,11 @@ async def _worker(run_id: str, queue: str, instant: float) -> dict[str, Any]:
         nonlocal applied, statements
         batch_ids, fired = msgspec.msgpack.decode(message.body)
         await db.execute(APPLY, batch_ids, [payload] * len(batch_ids), fired)
-        statements += 1
         await message.ack()
+        if not batch_ids:
+            warm.set()
+            return
+        statements += 1
         applied += len(batch_ids)
         if applied >= len(ids):
             done.set()
@@ -172,6 +176,12 @@ async def _worker(run_id: str, queue: str, instant: float) -> dict[str, Any]:
             loop.call_soon(flush)  # every timer due in this loop pass joins the same flush
         pending.append((trigger_id, time.time()))
 
+    # Warm up as a long-running writer is: statements prepared and catalogs cached on both
+    # connections, the publish channel and the consumer used once.
+    async with db.acquire() as c1, db.acquire() as c2:
+        await asyncio.gather(*(c.execute(APPLY, [], [], []) for c in (c1, c2)))
+    await publish([])
+    await asyncio.wait_for(warm.wait(), timeout=30)
     at = loop.time() + (instant - time.time())
     late = at <= loop.time()
     for i in ids:
