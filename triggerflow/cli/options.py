@@ -31,8 +31,8 @@ CONSUMER = ("queues", "capacity", "allowed_modules", "lease_ttl", "renew_interva
             "max_failures", "blocked_threshold", "subscription_check_interval", "event_batch",
             "event_linger", "max_event_bytes", "reaper_interval", "cancel_sweep_interval",
             "unclaimed_grace", "max_deferral", "kwargs_key")
-WRITER = ("writer_batch", "writer_prefetch", "writer_concurrency", "team_users", "lease_ttl", "renew_interval",
-          "reaper_interval", "unclaimed_grace", "max_deferral", "reclaim_rate",
+WRITER = ("writer_batch", "writer_prefetch", "writer_concurrency", "team_users", "lease_ttl",
+          "renew_interval", "reaper_interval", "unclaimed_grace", "max_deferral", "reclaim_rate",
           "subscription_check_interval")
 SDK = ("allowed_modules", "max_kwargs_bytes", "max_deferral", "kwargs_key")
 
