@@ -250,9 +250,12 @@ class Writer:
 
     def _record(self, applied: list[Applied], events: list[Event]) -> None:
         m = self.metrics
-        for a in applied:
-            m.applied.add(1, {"kind": a.kind, "queue": a.queue})
+        counts: dict[tuple[str, str], int] = {}
+        for a in applied:  # one counter add per (kind, queue), not per event
+            counts[a.kind, a.queue] = counts.get((a.kind, a.queue), 0) + 1
             m.latency.record(max(0.0, a.latency), {"queue": a.queue})
+        for (kind, queue), n in counts.items():
+            m.applied.add(n, {"kind": kind, "queue": queue})
         if len(applied) < len(events):
             m.ignored.add(len(events) - len(applied))
         if tracing_enabled():
