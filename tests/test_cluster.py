@@ -106,7 +106,7 @@ async def test_a_node_stopping_mid_burst_loses_no_event(
         # Once each: its own instant as the event, no trigger row left, nothing dead-lettered.
         wrong = await db.fetchval(
             "SELECT count(*) FROM task_instance t JOIN LATERAL (SELECT $1::timestamptz + "
-            "make_interval(secs => $2 * substr(t.task_id, 2)::int / $3) AS at) m ON true "
+            "make_interval(secs => $2::float8 * substr(t.task_id, 2)::int / $3::float8) AS at) m ON true "
             "WHERE (abs(extract(epoch FROM (t.next_kwargs->>'event')::timestamptz - m.at)) "
             "< 0.001) IS NOT TRUE",  # microseconds of float rounding apart, or missing
             start, SPREAD, BURST)
