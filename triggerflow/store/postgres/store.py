@@ -57,6 +57,7 @@ class PostgresStore:
         self.pool = pool
         self.codec = codec or KwargsCodec()
         self._peers_due = 0.0  # monotonic time of the next renewal that reads the peers
+        self._uneven = False  # the last read of the peers found a rebalance to do
 
     @classmethod
     async def connect(cls, dsn: str, *, max_size: int = 4, pgbouncer: bool = False,
@@ -121,13 +122,18 @@ class PostgresStore:
                     queues: Sequence[str]) -> Renewal | None:
         # The peers' counts only feed rebalancing, which can wait a few seconds: reading
         # them on every renewal made each renewal scan the consumer table.
+        # While the last read found the load uneven (a rebalance under way), read them on
+        # every renewal, so shedding converges as fast as before.
         now = time.monotonic()
-        peers = bool(queues) and now >= self._peers_due
+        peers = bool(queues) and (now >= self._peers_due or self._uneven)
         row = await self._fetchrow(sql.RENEW, me, ttl, running, list(queues), peers)
         if row is None:
             return None
         if peers:
             self._peers_due = now + PEERS_EVERY
+            live, held = row["live_peers"], row["peers_running"]
+            fair = held / live if live else 0.0
+            self._uneven = live >= 2 and abs(running - fair) > 0.25 * fair + 20
         return Renewal(row["dead_peers"], row["live_peers"], row["peers_running"])
 
     async def unregister(self, me: int) -> None:
