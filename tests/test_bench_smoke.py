@@ -21,7 +21,8 @@ def _drop(pg_server: str, database: str) -> None:
     asyncio.run(admin_sql(pg_server, drop_database_sql(database)))
 
 
-def test_bench_quick_prints_tables(tmp_path: Path, pg_server: str, amqp_server: str) -> None:
+def _run_quick(tmp_path: Path, pg_server: str, amqp_server: str,
+               scenarios: list[str]) -> tuple[str, dict]:
     tag = uuid.uuid4().hex[:10]
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRIGGERFLOW_")}
     env.update({
@@ -33,17 +34,37 @@ def test_bench_quick_prints_tables(tmp_path: Path, pg_server: str, amqp_server: 
     })
     try:
         proc = subprocess.run(
-            [sys.executable, "-m", "triggerflow", "bench", "burst", "defer", "--quick"],
-            env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120,
+            [sys.executable, "-m", "triggerflow", "bench", *scenarios, "--quick"],
+            env=env, cwd=tmp_path, capture_output=True, text=True, timeout=180,
         )
     finally:
         _drop(pg_server, f"tf_smoke_{tag}_bench")
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
-    for title in ("Burst: N DateTimeTriggers", "Deferral through the SDK", "Summary"):
-        assert title in out, out[-4000:]
     results = list((tmp_path / "bench-results").glob("bench-*-quick.json"))
     assert len(results) == 1
-    data = json.loads(results[0].read_text())
-    assert data["burst"]["sizes"]["200"]["runs"][0]["applied"] == 200
+    return out, json.loads(results[0].read_text())
+
+
+def test_bench_quick_prints_tables(tmp_path: Path, pg_server: str, amqp_server: str) -> None:
+    out, data = _run_quick(tmp_path, pg_server, amqp_server, ["burst", "defer"])
+    for title in ("Burst: N DateTimeTriggers", "Deferral through the SDK", "Summary"):
+        assert title in out, out[-4000:]
+    burst = data["burst"]["sizes"]["200"]
+    assert burst["runs"][0]["applied"] == 200
+    assert burst["reference_all_applied"] > 0 and burst["ratio"] > 0
     assert data["defer"]["single"]["n"] > 0
+
+
+def test_bench_quick_reference_held_periodic(tmp_path: Path, pg_server: str,
+                                             amqp_server: str) -> None:
+    out, data = _run_quick(tmp_path, pg_server, amqp_server, ["reference", "held", "periodic"])
+    for title in ("Reference: the bare burst path", "also holding 500 waiting timers",
+                  "Periodic database work", "Idle consumers, one queue each"):
+        assert title in out, out[-4000:]
+    assert data["reference"]["sizes"]["200"]["runs"][0]["applied"] == 200
+    held = data["held"]["sizes"]["200"]
+    assert held["runs"][0]["applied"] == 200 and held["runs"][0]["held"] == 500
+    assert [r["held"] for r in data["periodic"]["held"]] == [200, 1_000]
+    assert all(r["stmts_per_s"]["consumer"] > 0 for r in data["periodic"]["held"])
+    assert data["periodic"]["idle"][0]["stmts_per_s_per_process"] > 0

@@ -184,3 +184,23 @@ def test_exchanges_match_topology() -> None:
 
     declared = {e["name"]: e["type"] for e in DEFINITIONS["exchanges"]}
     assert declared == Topology(namespace=NAMESPACE).exchanges()
+
+
+def test_cluster_profile_adds_two_members_that_join_the_first_node() -> None:
+    services = COMPOSE["services"]
+    members = [n for n, svc in services.items() if "cluster" in svc.get("profiles", [])
+               and n.startswith("rabbitmq-") and n != "rabbitmq-grow"]
+    assert sorted(members) == ["rabbitmq-2", "rabbitmq-3"]
+    conf = (ROOT / "brokers" / "rabbitmq" / "cluster-member.conf").read_text()
+    listed = re.findall(r"^cluster_formation\.classic_config\.nodes\.\d+ = rabbit@(\S+)$", conf,
+                        re.MULTILINE)
+    assert sorted(listed) == ["rabbitmq", *members]
+    cookies = {services[n]["environment"]["RABBITMQ_ERLANG_COOKIE"]
+               for n in ("rabbitmq", *members, "rabbitmq-grow")}
+    assert len(cookies) == 1  # one cluster, one Erlang cookie
+    for name in members:
+        assert services[name]["hostname"] == name
+        mounts = {v.split(":")[1] for v in services[name]["volumes"]}
+        assert "/etc/rabbitmq/rabbitmq.conf" in mounts
+    grow = " ".join(services["rabbitmq-grow"]["command"])
+    assert all(f"grow rabbit@{m} all" in grow for m in members)

@@ -309,6 +309,21 @@ async def test_team_database_role_reaches_only_its_own_queues_rows(
     assert await db.fetchval("SELECT count(*) FROM trigger") == 2
 
 
+async def test_team_role_cancels_its_own_task_without_a_grant_on_the_cancel_log(
+    db: Database, dsn: str, teams: list[str], settings: Settings, topology: Topology,
+) -> None:
+    """The cancel log is written by a SECURITY DEFINER trigger: the documented SDK grants are
+    enough for a team role to cancel its own task, and the sweep still learns of it."""
+    async with team_role(db, dsn, teams[0]) as dsn_a:
+        team_a = Settings(**{**settings.model_dump(), "database_url": dsn_a})
+        async with TriggerflowClient(team_a) as c:
+            mine = await c.defer(TaskKey("a", "mine", "r"), EventAfter(), queue=teams[0])
+            assert await c.cancel([mine]) == 1
+    assert await db.fetchval("SELECT state FROM task_instance WHERE task_id = 'mine'") == "removed"
+    assert await db.fetchval(
+        "SELECT count(*) FROM trigger_cancel_log WHERE trigger_id = $1", mine) == 1
+
+
 async def test_kwargs_keys_per_team_with_rotation(
     db: Database, procs: Processes, teams: list[str], settings: Settings, topology: Topology,
 ) -> None:

@@ -294,6 +294,42 @@ async def test_writer_bisects_a_refused_batch_and_dead_letters_only_the_bad_even
     assert writer.applied_total == 8
 
 
+async def test_writer_applies_two_batches_at_once_and_acks_each(
+    mem: InMemory, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    s = fast_settings(writer_batch=2, writer_concurrency=2)
+    async with mem.client(s) as client:
+        ids = await client.defer_many([_deferral(i) for i in range(6)])
+    me = await mem.store.register(ProcessKind.CONSUMER, "h", 1, [QUEUE], 10, "v", ttl=60)
+    await mem.store.claim(me, ids, [QUEUE])
+    gate = asyncio.Event()
+    in_flight: list[int] = []
+    apply = mem.store.apply_events
+
+    async def held_at_the_gate(events: Sequence[Event]) -> list[Applied]:
+        in_flight.append(len(events))
+        await gate.wait()
+        return await apply(events)
+
+    monkeypatch.setattr(mem.store, "apply_events", held_at_the_gate)
+    producer = mem.transport()
+    await producer.connect()
+    writer_transport = mem.transport()
+    writer = Writer(s, mem.store, writer_transport)
+    async with running(writer):
+        for pair in (ids[0:2], ids[2:4], ids[4:6]):
+            await producer.publish_events(
+                QUEUE, [Event(i, 1, QUEUE, "resume", "1", 0.0) for i in pair])
+        await until(lambda: len(in_flight) == 2)
+        await asyncio.sleep(0.05)
+        assert in_flight == [2, 2]  # two batches applying, the third waits for a slot
+        assert all(mem.store.task(key(i)).state == TaskState.DEFERRED for i in range(6))
+        gate.set()
+        await until(lambda: not writer_transport._unacked)
+    assert all(mem.store.task(key(i)).state == TaskState.SCHEDULED for i in range(6))
+    assert writer.applied_total == 6
+
+
 async def test_writer_dead_letters_events_forged_by_another_team(mem: InMemory) -> None:
     s = fast_settings(team_users={QUEUE: "team-a-user"})
     async with mem.client(s) as client:

@@ -116,6 +116,8 @@ class Settings(BaseSettings):
     # -- writer -------------------------------------------------------------------------
     writer_batch: int = Field(5000, ge=1, description="Max events applied per transaction.")
     writer_prefetch: int = Field(400, ge=1, description="Unacked event messages per writer.")
+    writer_concurrency: int = Field(
+        2, ge=1, description="Batches one writer applies at once, each on its own connection.")
     team_users: dict[str, str] = Field(
         default_factory=dict,
         description=(

@@ -1,9 +1,13 @@
-"""``python -m triggerflow.bench sdk-worker ...``: the SDK process of the defer scenario."""
+"""``python -m triggerflow.bench sdk-worker|reference-worker ...``: the helper processes
+of the defer scenario and of the burst reference."""
 
 import sys
 
-from triggerflow.bench.defer import _worker_main
-
-if sys.argv[1:2] != ["sdk-worker"]:
-    sys.exit("usage: python -m triggerflow.bench sdk-worker ...  (run `triggerflow bench`)")
+if sys.argv[1:2] == ["sdk-worker"]:
+    from triggerflow.bench.defer import _worker_main
+elif sys.argv[1:2] == ["reference-worker"]:
+    from triggerflow.bench.reference import _worker_main
+else:
+    sys.exit("usage: python -m triggerflow.bench sdk-worker|reference-worker ...  "
+             "(run `triggerflow bench`)")
 sys.exit(_worker_main(sys.argv[2:]))

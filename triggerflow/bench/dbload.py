@@ -39,7 +39,7 @@ async def _explain_all(b: Bench, me: int) -> list[dict[str, Any]]:
     uid = uuid.uuid4().hex[:8]
     args: dict[str, tuple[str, tuple[Any, ...]]] = {
         "CLAIM": (pg.CLAIM, (me, idle_ids, [b.idle_queue])),
-        "RENEW": (pg.RENEW, (me, 3.0, 100_000, [b.queue])),
+        "RENEW": (pg.RENEW, (me, 3.0, 100_000, [b.queue], True)),
         "REAP_DEAD": (pg.REAP_DEAD, ([b.queue], False, 10)),
         # the consumer's lease expires inside the rolled-back transaction: what a peer's
         # reaper runs once after a crash, freeing everything it held

@@ -57,6 +57,7 @@ class Bench:
     dbid: int = 0
     supervisor: Supervisor | None = None
     broker_losses: int = 0  # times the bench's broker connection dropped (broker restarted)
+    reference: dict[int, list[dict[str, Any]]] = field(default_factory=dict)  # runs by size
     _watch: asyncio.Task[None] | None = None
 
     # -- set-up ---------------------------------------------------------------------------
@@ -118,6 +119,11 @@ class Bench:
         self.broker = RabbitTransport(self.settings.amqp_dsn(), Topology(self.namespace), name="bench")
         await self.broker.connect()
         await self.broker.declare([self.queue, self.idle_queue])
+        assert self.broker.connection is not None
+        ch = await self.broker.connection.channel()
+        await ch.declare_queue(f"{self.namespace}.reference", durable=True,
+                               arguments={"x-queue-type": "quorum"})  # the burst reference's
+        await ch.close()
         self.client = TriggerflowClient(self.role_settings("sdk"), max_connections=2)
         self._watch = asyncio.get_running_loop().create_task(self._watch_broker())
         self.log(f"namespace {self.namespace}, queue {self.queue}; process logs in {self.out}")
@@ -221,7 +227,8 @@ class Bench:
     async def _delete_topology(self) -> None:
         assert self.broker is not None and self.broker.connection is not None
         t = self.broker.topology
-        for queue in (self.queue, self.idle_queue, t.events_queue, t.dead_queue):
+        for queue in (self.queue, self.idle_queue, t.events_queue, t.dead_queue,
+                      f"{self.namespace}.reference"):
             ch = await self.broker.connection.channel()
             with contextlib.suppress(Exception):
                 await ch.queue_delete(queue)

@@ -12,9 +12,12 @@ from triggerflow.bench.dbload import scenario_dbload, tables_dbload
 from triggerflow.bench.defer import scenario_defer, table_defer
 from triggerflow.bench.failover import scenario_failover, table_failover
 from triggerflow.bench.harness import Bench
+from triggerflow.bench.periodic import scenario_periodic, tables_periodic
+from triggerflow.bench.reference import scenario_reference, table_reference
 from triggerflow.bench.scenarios import (
     scenario_burst,
     scenario_capacity,
+    scenario_held,
     scenario_steady,
     table_burst,
     table_capacity,
@@ -68,6 +71,12 @@ def _summary_latency(results: dict[str, Any]) -> list[Row]:
         rows.append(_row(key, f"burst of {int(n):,}: p50 / p99 / all applied",
                          f"{ms(r['p50'])} / {ms(r['p99'])} / {ms(r['all_applied'])}",
                          r["all_applied"] <= limit))
+    for n, r in results.get("held", {}).get("sizes", {}).items():
+        key, limit = ("held_1k", 1.5) if int(n) <= 1_000 else ("held_10k", 1.3)
+        rows.append(_row(key, f"burst of {int(n):,} while {results['held']['held']:,} wait: "
+                         "all applied / reference", f"{ms(r['all_applied'])} / "
+                         f"{ms(r['reference_all_applied'])} = {r['ratio']:.2f}x",
+                         r["ratio"] <= limit))
     steady = results.get("steady")
     if steady:
         rows.append(_row("steady", f"steady {steady['rate']:,}/s: p50 / p99",
@@ -94,6 +103,23 @@ def _summary_db(results: dict[str, Any]) -> list[Row]:
     return rows
 
 
+def _summary_periodic(results: dict[str, Any]) -> list[Row]:
+    p = results.get("periodic")
+    if not p:
+        return []
+    held = [r["db_ms_per_s"] for r in p["held"]]
+    idle = [r["stmts_per_s_per_process"] for r in p["idle"]]
+    return [
+        _row("periodic_flat", "periodic DB time/s at " + ", ".join(
+            num(r["held"]) for r in p["held"]) + " held",
+            " / ".join(f"{x:.3f} ms" for x in held), max(held) <= 2 * min(held)),
+        _row("idle_procs", "statements/s per idle consumer at " + ", ".join(
+            str(r["processes"]) for r in p["idle"]) + " processes",
+            " / ".join(f"{x:.2f}" for x in idle),
+            max(idle) <= 1.5 and max(idle) <= 1.2 * min(idle)),
+    ]
+
+
 def _summary_ops(results: dict[str, Any]) -> list[Row]:
     rows = []
     d = results.get("defer")
@@ -114,7 +140,8 @@ def _summary_ops(results: dict[str, Any]) -> list[Row]:
 
 def summary_rows(results: dict[str, Any]) -> list[Row]:
     rows = _summary_capacity(results["capacity"]) if "capacity" in results else []
-    return rows + _summary_latency(results) + _summary_db(results) + _summary_ops(results)
+    return (rows + _summary_latency(results) + _summary_db(results) + _summary_periodic(results)
+            + _summary_ops(results))
 
 
 def table_summary(results: dict[str, Any]) -> Table:
@@ -164,6 +191,7 @@ def plot_bursts(burst: dict[str, Any], path: Path) -> bool:
 # ----------------------------------------------------------------------------- entry point
 
 RUNNERS: dict[str, Callable[[Bench], Awaitable[dict[str, Any]]]] = {
+    "reference": scenario_reference, "held": scenario_held, "periodic": scenario_periodic,
     "capacity": scenario_capacity, "burst": scenario_burst, "steady": scenario_steady,
     "dbload": scenario_dbload, "defer": scenario_defer, "failover": scenario_failover,
 }
@@ -174,6 +202,12 @@ def _tables(name: str, res: dict[str, Any], sizes: Sizes) -> list[Table]:
         return [table_capacity(res)]
     if name == "burst":
         return [table_burst(res, sizes.repeats)]
+    if name == "held":
+        return [table_burst(res, sizes.repeats, res["held"])]
+    if name == "reference":
+        return [table_reference(res)]
+    if name == "periodic":
+        return tables_periodic(res)
     if name == "steady":
         return [table_steady(res)]
     if name == "dbload":

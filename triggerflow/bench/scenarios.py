@@ -23,6 +23,7 @@ from triggerflow.bench.common import (
     pct,
 )
 from triggerflow.bench.harness import Bench, _run_id
+from triggerflow.bench.reference import reference_run
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -100,21 +101,26 @@ def table_capacity(res: dict[str, Any]) -> Table:
     return t
 
 
-async def _burst_once(b: Bench, n: int) -> dict[str, Any]:
-    await b.truncate("task_instance", "trigger")
+async def _burst_once(b: Bench, n: int, *, keep_held: bool = False) -> dict[str, Any]:
+    if keep_held:  # the held timers stay; only the previous bursts' tasks go
+        await b.db().execute("DELETE FROM task_instance WHERE state <> 'deferred'")
+    else:
+        await b.truncate("task_instance", "trigger")
+    held = await b.owned()
     busy = await b.quiet()
     lead = b.sizes.lead + n / 2500
     instant = datetime.now(UTC) + timedelta(seconds=lead)
     run = _run_id(f"burst{n}")
     await b.defer(n, run, lambda i: instant)
-    ok, _ = await b.wait_for("SELECT count(*) FROM trigger WHERE owner_id IS NOT NULL", n,
-                             max(0.0, instant.timestamp() - time.time() - 0.4))
+    ok, _ = await b.wait_for("SELECT count(*) FROM trigger WHERE owner_id IS NOT NULL",
+                             held + n, max(0.0, instant.timestamp() - time.time() - 0.4))
     if not ok:
-        b.log(f"[yellow]  only {await b.owned():,}/{n:,} claimed before the instant")
+        b.log(f"[yellow]  only {await b.owned() - held:,}/{n:,} claimed before the instant")
     await asyncio.sleep(max(0.0, instant.timestamp() - time.time() - 0.3))
     await b.stmt_reset()
     done, _ = await b.wait_for(
-        "SELECT count(*) FROM task_instance WHERE state = 'scheduled'", n, 120, interval=0.1)
+        "SELECT count(*) FROM task_instance WHERE run_id = $1 AND state = 'scheduled'", n, 120,
+        run, interval=0.1)
     stmts = await b.stmt_snapshot()
     lat, fired = await b.latencies(run)
     if not done:
@@ -122,47 +128,82 @@ async def _burst_once(b: Bench, n: int) -> dict[str, Any]:
     d = dist(lat)
     return {**d, "all_applied": d["max"], "applied": len(lat), "claimed_before": ok,
             "fired_p50": pct(fired, 50), "fired_max": max(fired, default=math.nan),
-            "machine_busy_before": busy,
+            "machine_busy_before": busy, "held": held,
             "statements": b.calls(stmts), "stmts_per_event": b.calls(stmts) / max(1, len(lat)),
             "by_statement": stmts, "latencies": [round(x, 5) for x in lat]}
+
+
+async def _bursts(b: Bench, sizes: tuple[int, ...], tag: str, *,
+                  keep_held: bool = False) -> dict[str, Any]:
+    """Each size ``repeats`` times, each run right after a reference run of the same size
+    (interleaved, so a slower minute of the machine slows both); medians and ratios."""
+    out: dict[str, Any] = {}
+    for n in sizes:
+        runs = []
+        for i in range(b.sizes.repeats):
+            ref = await reference_run(b, n)
+            b.log(f"{tag}: N={n:,} run {i + 1}/{b.sizes.repeats}")
+            r = await b.measured(f"{tag} {n}", functools.partial(_burst_once, b, n,
+                                                                 keep_held=keep_held))
+            r["reference_all_applied"] = ref["all_applied"]
+            runs.append(r)
+            b.log(f"{tag}: N={n:,} run {i + 1}: p50 {ms(r['p50'])}, p99 {ms(r['p99'])}, all "
+                  f"applied {ms(r['all_applied'])} ({r['all_applied'] / ref['all_applied']:.2f}"
+                  f"x the reference's {ms(ref['all_applied'])}), {r['statements']} statements")
+        ref_all = median_of(runs, "reference_all_applied")  # the references of these runs
+        out[str(n)] = {
+            "runs": runs, "reference_all_applied": ref_all,
+            **{k: median_of(runs, k) for k in ("p50", "p95", "p99", "max", "all_applied",
+                                               "stmts_per_event", "statements", "fired_max")},
+        }
+        out[str(n)]["ratio"] = out[str(n)]["all_applied"] / ref_all
+    return out
 
 
 async def scenario_burst(b: Bench) -> dict[str, Any]:
     """N timers firing at one instant; fire -> update percentiles, medians of repeats."""
     await b.reset()
     procs = [await b.start_writer(), await b.start_consumer()]
-    out: dict[str, Any] = {"sizes": {}}
-    for n in b.sizes.burst:
-        runs = []
-        for i in range(b.sizes.repeats):
-            b.log(f"burst: N={n:,} run {i + 1}/{b.sizes.repeats}")
-            r = await b.measured(f"burst {n}", functools.partial(_burst_once, b, n))
-            runs.append(r)
-            b.log(f"burst: N={n:,} run {i + 1}: p50 {ms(r['p50'])}, p99 {ms(r['p99'])}, all "
-                  f"applied {ms(r['all_applied'])}, {r['statements']} statements")
-        out["sizes"][str(n)] = {
-            "runs": runs,
-            **{k: median_of(runs, k) for k in ("p50", "p95", "p99", "max", "all_applied",
-                                               "stmts_per_event", "statements", "fired_max")},
-        }
+    out: dict[str, Any] = {"sizes": await _bursts(b, b.sizes.burst, "burst")}
     out["cpu_idle_pct"] = await cpu_percent([p.pid for p in procs], 1.0)
     return out
 
 
-def table_burst(res: dict[str, Any], repeats: int) -> Table:
+async def scenario_held(b: Bench) -> dict[str, Any]:
+    """Bursts while the same consumer also holds ``held`` waiting timers."""
+    await b.reset()
+    await b.start_writer()
+    await b.start_consumer()
+    b.log(f"held: deferring {b.sizes.held:,} far timers for the consumer to hold")
+    await b.defer(b.sizes.held, _run_id("held"))
+    ok, _ = await b.wait_for("SELECT count(*) FROM trigger WHERE owner_id IS NOT NULL",
+                             b.sizes.held, 300)
+    if not ok:
+        raise BenchError(f"the consumer claimed only {await b.owned():,} of {b.sizes.held:,}")
+    await asyncio.sleep(b.sizes.settle)
+    return {"held": b.sizes.held,
+            "sizes": await _bursts(b, b.sizes.held_burst, "held", keep_held=True)}
+
+
+def table_burst(res: dict[str, Any], repeats: int, held: int = 0) -> Table:
     from rich.table import Table
 
-    t = Table(title=f"Burst: N DateTimeTriggers firing at one instant (median of {repeats} runs)")
-    for col in ("N", "p50", "p95", "p99", "all applied", "all fired", "statements",
-                "per event", "runs: all applied"):
+    also = f", the consumer also holding {held:,} waiting timers" if held else ""
+    t = Table(title=f"Burst: N DateTimeTriggers firing at one instant{also} (median of "
+              f"{repeats} runs)")
+    for col in ("N", "p50", "p99", "all applied", "reference", "x reference", "all fired",
+                "statements", "runs: all applied / reference"):
         t.add_column(col, justify="right")
     for n, r in res["sizes"].items():
-        t.add_row(num(int(n)), ms(r["p50"]), ms(r["p95"]), ms(r["p99"]),
-                  ms(r["all_applied"]), ms(r["fired_max"]), num(r["statements"]),
-                  f"{r['stmts_per_event']:.4f}", ", ".join(ms(x["all_applied"]) for x in r["runs"]))
+        t.add_row(num(int(n)), ms(r["p50"]), ms(r["p99"]), ms(r["all_applied"]),
+                  ms(r["reference_all_applied"]), f"{r['ratio']:.2f}x", ms(r["fired_max"]),
+                  num(r["statements"]),
+                  ", ".join(f"{ms(x['all_applied'])} / {ms(x['reference_all_applied'])}"
+                            for x in r["runs"]))
     t.caption = ("Latency = task_instance.updated_at (DB clock) - the trigger's instant, one "
-                 "consumer + one writer; all applied = max. All fired = last event_fired_at "
-                 "(consumer clock, same host) - instant: the consumer's share. Statements: "
+                 "consumer + one writer; all applied = max. Reference = `bench reference`'s "
+                 "bare path at the same N, run just before each burst (median of those runs). All fired = "
+                 "last event_fired_at (consumer clock, same host) - instant. Statements: "
                  "pg_stat_statements calls of the consumer and writer roles from 0.3 s before "
                  "the instant until all applied.")
     return t

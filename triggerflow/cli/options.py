@@ -32,8 +32,8 @@ CONSUMER = ("queues", "capacity", "allowed_modules", "lease_ttl", "renew_interva
             "event_linger", "max_event_bytes", "reaper_interval", "cancel_sweep_interval",
             "unclaimed_grace", "max_deferral", "kwargs_key", "kwargs_keys", "airflow",
             "default_queue")
-WRITER = ("writer_batch", "writer_prefetch", "team_users", "lease_ttl", "renew_interval",
-          "reaper_interval", "unclaimed_grace", "max_deferral", "reclaim_rate",
+WRITER = ("writer_batch", "writer_prefetch", "writer_concurrency", "team_users", "lease_ttl",
+          "renew_interval", "reaper_interval", "unclaimed_grace", "max_deferral", "reclaim_rate",
           "subscription_check_interval", "airflow", "default_queue")
 SDK = ("allowed_modules", "max_kwargs_bytes", "max_deferral", "kwargs_key", "kwargs_keys")
 

@@ -82,19 +82,24 @@ RETURNING id
 # One row per renewal, whatever the number of triggers held. Also reports, for the queues
 # this process serves, whether a peer's lease has expired (so reaping starts at once) and how
 # many triggers the live peers hold (for rebalancing after a rolling restart).
+# Renew touches my row; whether a peer of my queues is dead is an EXISTS over the index
+# of expiries (only expired rows are read). The peers' counts, for rebalancing only, are read
+# when $5 asks for them (every few seconds): CASE leaves the subqueries unevaluated otherwise,
+# so a renewal does not scan the consumer table (n processes x n rows each second).
 RENEW = """
 UPDATE consumer SET renewed_at = now(), expires_at = now() + make_interval(secs => $2),
        running = $3
 WHERE id = $1 AND expires_at > now()
 RETURNING
-    (SELECT count(*) FROM consumer c
-     WHERE c.expires_at <= now() AND (c.queues && $4::text[] OR cardinality($4::text[]) = 0))
-        AS dead_peers,
-    (SELECT count(*) FROM consumer c
-     WHERE c.kind = 'consumer' AND c.expires_at > now() AND c.queues && $4::text[]) AS live_peers,
-    (SELECT coalesce(sum(c.running), 0) FROM consumer c
-     WHERE c.kind = 'consumer' AND c.expires_at > now() AND c.queues && $4::text[])
-        AS peers_running
+    EXISTS (SELECT 1 FROM consumer c
+            WHERE c.expires_at <= now()
+              AND (c.queues && $4::text[] OR cardinality($4::text[]) = 0))::int AS dead_peers,
+    CASE WHEN $5 THEN (SELECT count(*) FROM consumer c
+         WHERE c.kind = 'consumer' AND c.expires_at > now() AND c.queues && $4::text[])
+    ELSE 0 END AS live_peers,
+    CASE WHEN $5 THEN (SELECT coalesce(sum(c.running), 0) FROM consumer c
+         WHERE c.kind = 'consumer' AND c.expires_at > now() AND c.queues && $4::text[])
+    ELSE 0 END AS peers_running
 """
 
 # Leave: a straggler still owned (a claim that committed late) is freed and dated back so
@@ -202,10 +207,26 @@ WHERE t.id = $1 AND c.kind = 'consumer' AND c.expires_at > now() AND t.queue = A
 
 # Backstop for cancellation: triggers I hold whose task is no longer deferred on them.
 SWEEP_CANCELLED = """
-DELETE FROM trigger t
-WHERE t.owner_id = $1 AND NOT EXISTS (
-    SELECT 1 FROM task_instance ti WHERE ti.trigger_id = t.id AND ti.state = 'deferred')
-RETURNING t.id
+WITH entry AS (
+    -- only what changed: the log a row trigger on task_instance keeps (migration 0002),
+    -- never everything I hold. Each entry looks its trigger up by primary key (subqueries,
+    -- which the planner cannot turn into a merge join over all of trigger_pkey); mine, and
+    -- those whose trigger is gone (deleted by CANCEL, the writer, a reaper), are taken.
+    SELECT l.ctid AS at, l.trigger_id, o.owner FROM trigger_cancel_log l
+    CROSS JOIN LATERAL (
+        SELECT (SELECT t.owner_id FROM trigger t WHERE t.id = l.trigger_id) AS owner,
+               EXISTS (SELECT 1 FROM trigger t WHERE t.id = l.trigger_id) AS live) o
+    WHERE o.owner = $1 OR NOT o.live
+    FOR UPDATE OF l SKIP LOCKED
+), gone AS (
+    DELETE FROM trigger t USING entry e
+    WHERE e.owner = $1 AND t.id = e.trigger_id AND t.owner_id = $1 AND NOT EXISTS (
+        SELECT 1 FROM task_instance ti WHERE ti.trigger_id = t.id AND ti.state = 'deferred')
+    RETURNING t.id
+), done AS (
+    DELETE FROM trigger_cancel_log l WHERE l.ctid IN (SELECT at FROM entry)
+)
+SELECT DISTINCT id FROM gone
 """
 
 # Cancelled on their owner: the owner stopped them and drops its rows.
@@ -344,10 +365,24 @@ DELETE FROM trigger WHERE id IN (SELECT trigger_id FROM failed) RETURNING id
 """
 
 # Queues with triggers waiting past the grace period (the writer's reaper checks them all).
+# Queues with a trigger unclaimed past the grace: a skip scan of trigger_unclaimed (queue,
+# dispatched_at), one index probe per distinct queue and one for its oldest entry, where a
+# DISTINCT read the whole backlog.
 WAITING_QUEUES = """
-SELECT DISTINCT queue FROM trigger
-WHERE owner_id IS NULL AND quarantined_at IS NULL
-  AND dispatched_at < now() - make_interval(secs => $1)
+WITH RECURSIVE q(queue) AS (
+    (SELECT queue FROM trigger WHERE owner_id IS NULL AND quarantined_at IS NULL
+     ORDER BY queue LIMIT 1)
+    UNION ALL
+    SELECT (SELECT t.queue FROM trigger t
+            WHERE t.owner_id IS NULL AND t.quarantined_at IS NULL AND t.queue > q.queue
+            ORDER BY t.queue LIMIT 1)
+    FROM q WHERE q.queue IS NOT NULL
+)
+SELECT queue FROM q
+WHERE queue IS NOT NULL AND (
+    SELECT min(t.dispatched_at) FROM trigger t
+    WHERE t.owner_id IS NULL AND t.quarantined_at IS NULL AND t.queue = q.queue
+) < now() - make_interval(secs => $1)
 """
 
 QUEUE_CONSUMERS = """

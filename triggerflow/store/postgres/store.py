@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -41,6 +42,7 @@ from triggerflow.wire import Event
 # Two writers' batches can still meet on a row; such a statement is simply run again.
 _CONFLICTS = (asyncpg.DeadlockDetectedError, asyncpg.SerializationError)
 _REFUSED = (asyncpg.DataError, asyncpg.IntegrityConstraintViolationError)
+PEERS_EVERY = 5.0  # seconds between reads of the peers' counts (rebalancing) on renewal
 
 
 def _scope(queues: Sequence[str] | None) -> tuple[list[str], bool]:
@@ -54,6 +56,8 @@ class PostgresStore:
     def __init__(self, pool: asyncpg.Pool, codec: KwargsCodec | None = None) -> None:
         self.pool = pool
         self.codec = codec or KwargsCodec()
+        self._peers_due = 0.0  # monotonic time of the next renewal that reads the peers
+        self._uneven = False  # the last read of the peers found a rebalance to do
 
     @classmethod
     async def connect(cls, dsn: str, *, max_size: int = 4, pgbouncer: bool = False,
@@ -116,9 +120,20 @@ class PostgresStore:
 
     async def renew(self, me: int, ttl: float, running: int,
                     queues: Sequence[str]) -> Renewal | None:
-        row = await self._fetchrow(sql.RENEW, me, ttl, running, list(queues))
+        # The peers' counts only feed rebalancing, which can wait a few seconds: reading
+        # them on every renewal made each renewal scan the consumer table.
+        # While the last read found the load uneven (a rebalance under way), read them on
+        # every renewal, so shedding converges as fast as before.
+        now = time.monotonic()
+        peers = bool(queues) and (now >= self._peers_due or self._uneven)
+        row = await self._fetchrow(sql.RENEW, me, ttl, running, list(queues), peers)
         if row is None:
             return None
+        if peers:
+            self._peers_due = now + PEERS_EVERY
+            live, held = row["live_peers"], row["peers_running"]
+            fair = held / live if live else 0.0
+            self._uneven = live >= 2 and abs(running - fair) > 0.25 * fair + 20
         return Renewal(row["dead_peers"], row["live_peers"], row["peers_running"])
 
     async def unregister(self, me: int) -> None:
