@@ -124,24 +124,6 @@ async def test_wakeup_is_acked_only_after_the_claim_committed() -> None:
         assert tid in consumer.runner.running
 
 
-async def test_failed_claim_leaves_the_wakeup_unacked_for_redelivery() -> None:
-    mem = InMemory(GatedStore(failures=1))
-    mem.broker.declare(QUEUE)
-    store = mem.store
-    assert isinstance(store, GatedStore)
-    store.gate.set()
-    transport = mem.transport()
-    consumer = Consumer(fast_settings(), store, transport)
-    async with running(consumer), mem.client(fast_settings()) as client:
-        [tid] = await client.defer_many([_deferral(1)])
-        await until(lambda: store.failures == 0)
-        await asyncio.sleep(0.1)
-        assert len(transport._unacked) == 1 and store.triggers[tid].owner is None
-        await transport.kill()  # the channel closes: the wake-up goes back to the queue
-        assert len(mem.broker.ready(QUEUE)) + len(transport._unacked) >= 1
-        await until(lambda: store.triggers[tid].owner == consumer.me)
-
-
 def _deferral(i: int) -> object:
     from triggerflow.sdk import Deferral
 

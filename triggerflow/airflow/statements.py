@@ -132,6 +132,15 @@ WHERE t.id = s.trigger_id AND s.owner_id = $1
 RETURNING s.trigger_id AS id, coalesce(t.queue, $5) AS queue
 """
 
+# Reconcile: rows I fired but still own at that attempt lost their event; free them.
+RELEASE_LOST = f"""
+UPDATE {SCHEMA}.trigger_state s SET owner_id = NULL, published_at = now()
+FROM "trigger" t, unnest($2::int[], $3::int[]) AS lost(id, attempt)
+WHERE t.id = s.trigger_id AND s.trigger_id = lost.id AND s.attempt = lost.attempt
+  AND s.owner_id = $1
+RETURNING s.trigger_id AS id, coalesce(t.queue, $4) AS queue
+"""
+
 OTHER_LOADERS = f"""
 SELECT count(*) FROM {SCHEMA}.consumer c, "trigger" t
 LEFT JOIN {SCHEMA}.trigger_state s ON s.trigger_id = t.id

@@ -170,6 +170,12 @@ class AirflowStore:
                                  cannot_load, reason, self.default_queue)
         return [TriggerRef(r["id"], r["queue"]) for r in rows]
 
+    async def release_lost(self, me: int, ids: Sequence[int],
+                           attempts: Sequence[int]) -> list[TriggerRef]:
+        rows = await self._fetch(sql.RELEASE_LOST, me, list(ids), list(attempts),
+                                 self.default_queue)
+        return [TriggerRef(r["id"], r["queue"]) for r in rows]
+
     async def other_loaders(self, trigger_id: int, me: int) -> int:
         rows = await self._fetch(sql.OTHER_LOADERS, trigger_id, me, self.default_queue)
         return int(rows[0]["count"]) if rows else 0

@@ -48,5 +48,15 @@ class Probation:
             for spec in specs:
                 self.start(spec)
             await asyncio.sleep(self.seconds)
-            await self.store.clear_probation(self.lease.me, self.group)
+            await self._clear(self.group)
             self.group = []
+
+    async def _clear(self, group: list[int]) -> None:
+        """Clear the group, retrying a transient store error rather than stopping."""
+        while True:
+            try:
+                await self.store.clear_probation(self.lease.me, group)
+                return
+            except StoreError as exc:
+                log.warning("clearing probation failed (%r); retrying", exc)
+                await asyncio.sleep(1)

@@ -200,6 +200,12 @@ class Store(Protocol):
         ``cannot_load`` remember that I refused them so the next claim passes them on."""
         ...
 
+    async def release_lost(self, me: int, ids: Sequence[int],
+                           attempts: Sequence[int]) -> list[TriggerRef]:
+        """Reconcile: free the rows among ``ids`` I still own at exactly ``attempts`` though I
+        no longer run them (their event was lost), to be re-sent. Reads only these rows."""
+        ...
+
     async def other_loaders(self, trigger_id: int, me: int) -> int:
         """Live consumers of the trigger's queue, other than me, that have not refused it."""
         ...

@@ -221,6 +221,16 @@ class MemoryStore:
                 refs.append(TriggerRef(t.id, t.queue))
         return refs
 
+    async def release_lost(self, me: int, ids: Sequence[int],
+                           attempts: Sequence[int]) -> list[TriggerRef]:
+        refs = []
+        for trigger_id, attempt in zip(ids, attempts, strict=True):
+            t = self.triggers.get(trigger_id)
+            if t is not None and t.owner == me and t.attempt == attempt:
+                t.owner, t.dispatched_at = None, self.clock()
+                refs.append(TriggerRef(t.id, t.queue))
+        return refs
+
     async def other_loaders(self, trigger_id: int, me: int) -> int:
         t = self.triggers.get(trigger_id)
         if t is None:

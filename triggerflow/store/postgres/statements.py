@@ -193,6 +193,15 @@ WHERE owner_id = $1 AND ($2::bigint[] IS NULL OR id = ANY($2::bigint[]))
 RETURNING id, queue
 """
 
+# Reconcile: rows I fired (or failed to start) but still own at that attempt lost their
+# event on the way; free them for re-sending. Found by primary key, never by scanning all I hold.
+RELEASE_LOST = """
+UPDATE trigger t SET owner_id = NULL, dispatched_at = now()
+FROM unnest($2::bigint[], $3::int[]) AS lost(id, attempt)
+WHERE t.id = lost.id AND t.attempt = lost.attempt AND t.owner_id = $1
+RETURNING t.id, t.queue
+"""
+
 # Live consumers of a queue that have not yet refused a trigger: can anyone else load it?
 OTHER_LOADERS = """
 SELECT count(*) FROM consumer c, trigger t

@@ -152,6 +152,11 @@ class PostgresStore:
                                  cannot_load, reason)
         return [TriggerRef(r["id"], r["queue"]) for r in rows]
 
+    async def release_lost(self, me: int, ids: Sequence[int],
+                           attempts: Sequence[int]) -> list[TriggerRef]:
+        rows = await self._fetch(sql.RELEASE_LOST, me, list(ids), list(attempts))
+        return [TriggerRef(r["id"], r["queue"]) for r in rows]
+
     async def other_loaders(self, trigger_id: int, me: int) -> int:
         row = await self._fetchrow(sql.OTHER_LOADERS, trigger_id, me)
         return int(row["count"]) if row else 0

@@ -1,0 +1,320 @@
+"""Nothing stuck, one bad trigger harms only its own task (issue #10): the loop decisions, on the
+in-memory store and transport. What needs the real services is in ``test_stuck_faults.py``."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Sequence
+from datetime import timedelta
+from typing import Any
+
+import pytest
+
+from tests.test_loops import QUEUE, fast_settings, key, running, until
+from triggerflow.consumer import Consumer
+from triggerflow.model import EventKind, TaskState
+from triggerflow.runner import Held, TriggerRunner
+from triggerflow.sdk import Deferral, DeferralError
+from triggerflow.store import NewDeferral, StoreUnavailable
+from triggerflow.testing import InMemory, MemoryStore
+from triggerflow.triggers import BaseTrigger, DateTimeTrigger, TimeDeltaTrigger, TriggerEvent
+from triggerflow.wire import encode_json
+
+BAD_MOMENT = "0001-01-01T00:00:00+14:00"  # parses, but its event (a datetime) cannot be built
+
+
+@pytest.fixture
+def mem() -> InMemory:
+    m = InMemory()
+    m.broker.declare(QUEUE)
+    return m
+
+
+async def _defer_raw(mem: InMemory, i: int, classpath: str, kwargs: dict[str, Any],
+                     timeout: float = 3600) -> int:
+    """A row as an older SDK (or a hand-written INSERT) could have stored it: unchecked."""
+    [tid] = await mem.store.defer([NewDeferral(
+        "dag", f"t{i}", "run", -1, classpath, encode_json(kwargs), QUEUE, "execute_complete",
+        "{}", timeout)])
+    transport = mem.transport()
+    await transport.connect()
+    await transport.publish_wakeups({QUEUE: [tid]})
+    return tid
+
+
+# ----------------------------------------------------------------------------- one bad trigger
+
+
+async def test_sdk_refuses_a_moment_whose_event_cannot_be_built(mem: InMemory) -> None:
+    async with mem.client(fast_settings()) as client:
+        with pytest.raises(DeferralError, match="no usable deadline"):
+            await client.defer(key(1), DateTimeTrigger(BAD_MOMENT), queue=QUEUE)
+    assert not mem.store.triggers
+
+
+async def test_a_bad_moment_fails_its_own_task_and_the_other_timers_still_fire(
+    mem: InMemory,
+) -> None:
+    s = fast_settings()
+    consumer = Consumer(s, mem.store, mem.transport())
+    from triggerflow.writer import Writer
+
+    writer = Writer(s, mem.store, mem.transport())
+    async with running(consumer, writer), mem.client(s) as client:
+        bad = await _defer_raw(mem, 0, "triggerflow.triggers.temporal.DateTimeTrigger",
+                               {"moment": BAD_MOMENT})
+        await client.defer_many([Deferral(key(i), TimeDeltaTrigger(timedelta(seconds=0.5)), QUEUE)
+                                 for i in range(1, 201)])
+        await until(lambda: all(mem.store.task(key(i)).state == TaskState.SCHEDULED
+                                for i in range(1, 201)), timeout=5)
+        await until(lambda: mem.store.task(key(0)).state == TaskState.SCHEDULED)
+    failed = mem.store.task(key(0))
+    assert bad not in mem.store.triggers
+    assert failed.next_method == "__fail__"
+    assert "DateTimeTrigger" in failed.next_kwargs["message"]
+    assert all(mem.store.task(key(i)).next_method == "execute_complete" for i in range(1, 201))
+
+
+class _ExplodingDeadline(DateTimeTrigger):
+    """A timer whose ``deadline()`` raises once the consumer asks for it."""
+
+    def deadline(self) -> float:
+        raise RuntimeError("boom")
+
+    def serialize(self) -> tuple[str, dict[str, Any]]:
+        return (f"{__name__}._ExplodingDeadline", {"moment": self.moment.isoformat()})
+
+
+class _ExplodingPayload(DateTimeTrigger):
+    """A timer whose event payload raises when it fires."""
+
+    @staticmethod
+    def timer_payload(deadline: float) -> Any:
+        if deadline > time.time() - 60:  # only when it fires, not in the defer-time check
+            raise RuntimeError("payload boom")
+        return None
+
+    def serialize(self) -> tuple[str, dict[str, Any]]:
+        return (f"{__name__}._ExplodingPayload", {"moment": self.moment.isoformat()})
+
+
+async def test_errors_from_deadline_and_payload_fail_only_their_tasks(mem: InMemory) -> None:
+    s = fast_settings()
+    consumer = Consumer(s, mem.store, mem.transport())
+    soon = (TimeDeltaTrigger(timedelta(seconds=0.3)).moment).isoformat()
+    async with running(consumer):
+        # In one claim batch: the bad start sits between good ones.
+        ids = [await _defer_raw(mem, 0, f"{__name__}._ExplodingDeadline", {"moment": soon}),
+               await _defer_raw(mem, 1, f"{__name__}._ExplodingPayload", {"moment": soon})]
+        ids += [await _defer_raw(mem, i, "triggerflow.triggers.temporal.DateTimeTrigger",
+                                 {"moment": soon}) for i in range(2, 12)]
+        events: list[tuple[int, str]] = []
+        await until(lambda: _sent(consumer, events) >= 12, timeout=5)
+    kinds = dict(events)
+    assert kinds[ids[0]] == kinds[ids[1]] == str(EventKind.FAIL)
+    assert all(kinds[i] == str(EventKind.RESUME) for i in ids[2:])
+
+
+def _sent(consumer: Consumer, into: list[tuple[int, str]]) -> int:
+    """Events the consumer published (read from the in-memory events queue, no writer)."""
+    from triggerflow.transport.memory import EVENTS_QUEUE
+    from triggerflow.wire import decode_events
+
+    into.clear()
+    broker = consumer.transport.broker  # type: ignore[attr-defined]
+    for message in broker.ready(EVENTS_QUEUE):
+        into.extend((e.trigger_id, e.kind) for e in decode_events(message.body))
+    return len(into)
+
+
+# ----------------------------------------------------------------------------- runner memory
+
+
+class _Quick(BaseTrigger):
+    def __init__(self, **kwargs: Any) -> None:
+        self.cleanups = 0
+
+    def serialize(self) -> tuple[str, dict[str, Any]]:
+        return (f"{__name__}._Quick", {})
+
+    async def run(self) -> AsyncIterator[TriggerEvent]:
+        yield TriggerEvent(1)
+
+    async def cleanup(self) -> None:
+        self.cleanups += 1
+
+
+class _Forever(_Quick):
+    async def run(self) -> AsyncIterator[TriggerEvent]:
+        await asyncio.Event().wait()
+        yield TriggerEvent(1)
+
+
+def _held(i: int, attempt: int = 1, timeout: float = 7 * 86400) -> Held:
+    return Held(i, attempt, QUEUE, "x.Y", None, time.time() + timeout, None)
+
+
+async def test_finished_coroutine_triggers_leave_no_heap_entries_behind() -> None:
+    fired: list[int] = []
+    runner = TriggerRunner(lambda held, kind, payload: fired.append(held.id))
+    for i in range(20_000):
+        runner.start(_held(i), _Quick())
+        if i % 100 == 99:
+            await asyncio.sleep(0)
+    await until(lambda: len(fired) == 20_000)
+    assert not runner.running
+    assert len(runner._heap) <= 2048, len(runner._heap)
+
+
+async def test_a_redelivered_trigger_replaces_its_running_task_and_cancels_it() -> None:
+    runner = TriggerRunner(lambda held, kind, payload: None)
+    first, second = _Forever(), _Forever()
+    runner.start(_held(7), first)
+    await asyncio.sleep(0)
+    old_task = runner.running[7].task
+    runner.start(_held(7, attempt=2), second)
+    await asyncio.sleep(0.05)
+    assert old_task is not None and old_task.cancelled()
+    assert first.cleanups == 1 and second.cleanups == 0
+    assert runner.running[7].attempt == 2 and runner.current_task_count() == 1
+    runner.cancel()
+    await runner.wait_cleanups()
+
+
+# ----------------------------------------------------------------------------- transient errors
+
+
+class FlakyStore(MemoryStore):
+    """The first ``claims`` claims, sweeps and probation clears fail as a lost database."""
+
+    def __init__(self, claims: int = 0, sweeps: int = 0, clears: int = 0) -> None:
+        super().__init__()
+        self.claims, self.sweeps, self.clears = claims, sweeps, clears
+
+    async def claim(self, me: int, ids: Sequence[int], queues: Sequence[str]) -> Any:
+        if self.claims:
+            self.claims -= 1
+            raise StoreUnavailable("connection reset")
+        return await super().claim(me, ids, queues)
+
+    async def sweep_cancelled(self, me: int) -> list[int]:
+        if self.sweeps:
+            self.sweeps -= 1
+            raise StoreUnavailable("connection reset")
+        return await super().sweep_cancelled(me)
+
+    async def forget(self, me: int, ids: Sequence[int]) -> None:
+        if self.sweeps:
+            self.sweeps -= 1
+            raise StoreUnavailable("connection reset")
+        await super().forget(me, ids)
+
+    async def clear_probation(self, me: int, ids: Sequence[int]) -> None:
+        if self.clears:
+            self.clears -= 1
+            raise StoreUnavailable("connection reset")
+        await super().clear_probation(me, ids)
+
+
+async def test_a_failed_claim_requeues_its_wakeups_at_once() -> None:
+    store = FlakyStore(claims=1)
+    mem = InMemory(store)
+    mem.broker.declare(QUEUE)
+    transport = mem.transport()
+    s = fast_settings(unclaimed_grace=60)  # the reaper's re-send must not be what saves it
+    consumer = Consumer(s, store, transport)
+    async with running(consumer), mem.client(s) as client:
+        started = time.monotonic()
+        [tid] = await client.defer_many([Deferral(key(1), TimeDeltaTrigger(timedelta(hours=1)),
+                                                  QUEUE)])
+        # No channel is closed here: only a prompt requeue brings the wake-up back.
+        await until(lambda: store.triggers[tid].owner == consumer.me, timeout=3)
+    assert store.claims == 0 and time.monotonic() - started < 3
+    assert not transport._unacked
+
+
+async def test_transient_errors_in_sweep_and_probation_do_not_stop_the_consumer() -> None:
+    store = FlakyStore(sweeps=3, clears=2)
+    mem = InMemory(store)
+    mem.broker.declare(QUEUE)
+    consumer = Consumer(fast_settings(), store, mem.transport())
+    async with running(consumer), mem.client(fast_settings()) as client:
+        [tid] = await client.defer_many([Deferral(key(1), TimeDeltaTrigger(timedelta(hours=1)),
+                                                  QUEUE)])
+        await until(lambda: tid in consumer.runner.running)
+        store.task(key(1)).state = TaskState.FAILED  # the sweep must drop it, errors or not
+        await until(lambda: tid not in consumer.runner.running and store.sweeps == 0)
+        # A suspect on probation: clearing it fails twice, then succeeds.
+        [sus] = await client.defer_many([Deferral(key(2), TimeDeltaTrigger(timedelta(hours=1)),
+                                                  QUEUE)])
+        await until(lambda: sus in consumer.runner.running)
+        consumer.runner.cancel([sus])
+        await store.release(consumer.me, [sus])
+        store.triggers[sus].failures = 2
+        consumer.probation.suspects.set()
+        await until(lambda: store.clears == 0 and store.triggers[sus].failures == 0, timeout=8)
+        assert all(not t.done() for t in consumer._tasks)
+
+
+# ----------------------------------------------------------------------------- reconciliation
+
+
+async def test_a_lost_event_is_reconciled_and_its_task_still_leaves_deferred(
+    mem: InMemory,
+) -> None:
+    from triggerflow.transport.memory import EVENTS_QUEUE
+    from triggerflow.writer import Writer
+
+    s = fast_settings(reconcile_after=0.4)
+    consumer = Consumer(s, mem.store, mem.transport())
+    async with running(consumer), mem.client(s) as client:
+        ids = await client.defer_many([Deferral(key(i), TimeDeltaTrigger(timedelta(seconds=0.1)),
+                                                QUEUE) for i in range(5)])
+        await until(lambda: len(mem.broker.ready(EVENTS_QUEUE)) >= 1 and not consumer.runner)
+        mem.broker.queues[EVENTS_QUEUE].messages.clear()  # dead-lettered after its limit, say
+        assert all(mem.store.triggers[i].owner == consumer.me for i in ids)  # held, not run
+        await until(lambda: consumer.reconciler.lost == 5, timeout=3)
+        writer = Writer(s, mem.store, mem.transport())
+        async with running(writer):
+            await until(lambda: all(mem.store.task(key(i)).state == TaskState.SCHEDULED
+                                    for i in range(5)), timeout=3)
+    assert all(mem.store.task(key(i)).next_method == "execute_complete" for i in range(5))
+
+
+class SlowRegisterStore(MemoryStore):
+    """Registrations after the first wait for ``gate``: a consumer re-registering slowly."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = asyncio.Event()
+        self.registrations = 0
+
+    async def register(self, *args: Any, **kwargs: Any) -> int:
+        self.registrations += 1
+        if self.registrations > 1:
+            await self.gate.wait()
+        return await super().register(*args, **kwargs)
+
+
+async def test_no_claim_is_made_under_an_expired_id_while_re_registering() -> None:
+    store = SlowRegisterStore()
+    mem = InMemory(store)
+    mem.broker.declare(QUEUE)
+    consumer = Consumer(fast_settings(), store, mem.transport())
+    async with running(consumer), mem.client(fast_settings()) as client:
+        await until(lambda: consumer.me != 0)
+        old = consumer.me
+        store.processes[old].expires_at = 0  # a peer declared us dead
+        await until(lambda: store.registrations == 2)  # fenced, re-registering
+        ids = await client.defer_many([_far(i) for i in range(20)])
+        await asyncio.sleep(0.3)
+        assert not any(store.triggers[i].owner == old for i in ids), "claimed under a dead id"
+        store.gate.set()
+        await until(lambda: consumer.me != old)
+        await until(lambda: all(store.triggers[i].owner == consumer.me for i in ids), timeout=5)
+        assert all(i in consumer.runner.running for i in ids)
+
+
+def _far(i: int) -> Deferral:
+    return Deferral(key(i), TimeDeltaTrigger(timedelta(hours=1)), QUEUE)
