@@ -185,6 +185,8 @@ async def test_probation_halves_suspects_and_quarantines_the_killer() -> None:
         ids = await client.defer_many([_deferral(i) for i in range(4)])
     store = mem.store
     killer = ids[2]
+    # A writer that stays alive throughout witnesses each death (else: an outage, no blame).
+    await store.register(ProcessKind.WRITER, "h", 2, [], 0, "v", ttl=10**6)
 
     async def crash_with(claimed: Callable[[int], Awaitable[list[int]]]) -> list[int]:
         me = await store.register(ProcessKind.CONSUMER, "h", 1, [QUEUE], 10, "v", ttl=1)

@@ -79,7 +79,8 @@ class Consumer:
         self._tasks: list[asyncio.Task[Any]] = []
         self._stopping = False
         self.probation = Probation(self.store, self.lease, self.queues, self._claim_lock,
-                                   self._start, settings.probation_seconds.total_seconds())
+                                   self._start, settings.probation_seconds.total_seconds(),
+                                   room=self._room)
         self.reconciler = Reconciler(
             store, lambda: self.me, self.runner.running.__contains__, self._republish,
             settings.reconcile_after.total_seconds())
@@ -184,6 +185,9 @@ class Consumer:
             return
         self._pending_ids += len(ids)
         self._wakeups.put_nowait((ids, message))
+
+    def _room(self) -> int:
+        return max(0, self.settings.capacity - len(self.runner) - self._pending_ids)
 
     def _take_locally(self, queue: str, ids: list[int]) -> list[int]:
         """Queue freed triggers for our own claim loop; return what does not fit."""
@@ -361,9 +365,19 @@ class Consumer:
                                failure(FailureReason.TRIGGER_UNLOADABLE, msg))
 
     async def _pass_on(self, refs: list[TriggerRef]) -> None:
+        """Refused here before: fail what no live consumer may load, pass the rest on."""
+        failed = set(await self.store.fail_unloadable(self.me, [r.id for r in refs]))
+        if failed:
+            log.warning("failed %d trigger(s) no live consumer of their queue can load",
+                        len(failed))
+            for ref in refs:
+                if ref.id in failed:
+                    self.metrics.failed.add(1, {"queue": ref.queue,
+                                                "reason": str(FailureReason.TRIGGER_UNLOADABLE)})
+        rest = [r for r in refs if r.id not in failed]
         await asyncio.sleep(1.0)  # no hot loop if the queue's only other consumer just left
-        if not self._stopping:
-            await self._republish(refs)
+        if rest and not self._stopping:
+            await self._republish(rest)
 
     async def _republish(self, refs: Sequence[TriggerRef]) -> None:
         by_queue: dict[str, list[int]] = defaultdict(list)
