@@ -318,3 +318,82 @@ async def test_no_claim_is_made_under_an_expired_id_while_re_registering() -> No
 
 def _far(i: int) -> Deferral:
     return Deferral(key(i), TimeDeltaTrigger(timedelta(hours=1)), QUEUE)
+
+
+# ----------------------------------------------------------------------------- blame, balance
+
+
+async def test_an_outage_that_fences_everyone_blames_no_trigger() -> None:
+    from triggerflow.store import ProcessKind
+    from triggerflow.testing import ManualClock
+
+    clock = ManualClock()
+    mem = InMemory.with_clock(clock)
+    mem.broker.declare(QUEUE)
+    async with mem.client(fast_settings()) as client:
+        ids = await client.defer_many([_far(i) for i in range(4)])
+    store = mem.store
+    for _ in range(3):  # three outages: every lease (the writer's too) expires together
+        await store.register(ProcessKind.WRITER, "h", 2, [], 0, "v", ttl=3)
+        me = await store.register(ProcessKind.CONSUMER, "h", 1, [QUEUE], 10, "v", ttl=3)
+        assert len((await store.claim(me, ids, [QUEUE])).claimed) == 4
+        clock.advance(10)
+        await store.register(ProcessKind.CONSUMER, "h", 1, [QUEUE], 10, "v", ttl=3)  # back
+        assert len((await store.reap_dead([QUEUE], 30)).freed) == 4
+    assert all(store.triggers[i].failures == 0 for i in ids)
+    # A death some process lived through is still counted.
+    await store.register(ProcessKind.WRITER, "h", 2, [], 0, "v", ttl=100)
+    me = await store.register(ProcessKind.CONSUMER, "h", 1, [QUEUE], 10, "v", ttl=3)
+    await store.claim(me, ids, [QUEUE])
+    clock.advance(5)
+    await store.reap_dead([QUEUE], 30)
+    assert all(store.triggers[i].failures == 1 for i in ids)
+
+
+async def test_probation_takes_no_more_suspects_than_free_capacity(mem: InMemory) -> None:
+    s = fast_settings(capacity=10, probation_seconds=30)
+    async with mem.client(s) as client:
+        ids = await client.defer_many([_far(i) for i in range(40)])
+    for i in ids:
+        mem.store.triggers[i].failures = 2
+    consumer = Consumer(s, mem.store, mem.transport())
+    async with running(consumer):
+        consumer.probation.suspects.set()
+        await until(lambda: len(consumer.runner) > 0)
+        await asyncio.sleep(0.3)
+        assert len(consumer.runner) <= 10
+        assert sum(1 for t in mem.store.triggers.values() if t.owner == consumer.me) <= 10
+
+
+async def test_consumers_of_different_queue_sets_do_not_rebalance_against_each_other(
+    mem: InMemory,
+) -> None:
+    other = "team-b"
+    mem.broker.declare(other)
+    a = Consumer(fast_settings(queues=[QUEUE, other]), mem.store, mem.transport())
+    b = Consumer(fast_settings(queues=[other]), mem.store, mem.transport())
+    async with running(a), mem.client(fast_settings()) as client:
+        await client.defer_many([_far(i) for i in range(100)])  # only a serves team-a
+        await until(lambda: len(a.runner) == 100)
+        async with running(b):
+            await asyncio.sleep(1.0)  # ten renewals each
+            assert len(a.runner) == 100 and len(b.runner) == 0
+    assert a.metrics is not None
+
+
+async def test_a_trigger_no_live_consumer_can_load_is_failed_naming_the_class(
+    mem: InMemory,
+) -> None:
+    from triggerflow.writer import Writer
+
+    s = fast_settings()
+    a, b = Consumer(s, mem.store, mem.transport()), Consumer(s, mem.store, mem.transport())
+    writer = Writer(s, mem.store, mem.transport())
+    async with running(a, b, writer):
+        await until(lambda: a.me and b.me)
+        tid = await _defer_raw(mem, 1, "tests.no_such_module.Gone", {})
+        # Each refuses it in turn; then neither may load it: failed, not passed round forever.
+        await until(lambda: mem.store.task(key(1)).state == TaskState.SCHEDULED, timeout=8)
+    task = mem.store.task(key(1))
+    assert tid not in mem.store.triggers
+    assert task.next_method == "__fail__" and "tests.no_such_module.Gone" in task.next_kwargs["message"]
