@@ -378,22 +378,28 @@ async def test_consumers_of_different_queue_sets_do_not_rebalance_against_each_o
         async with running(b):
             await asyncio.sleep(1.0)  # ten renewals each
             assert len(a.runner) == 100 and len(b.runner) == 0
-    assert a.metrics is not None
+    # Never shed and claimed back: each trigger was claimed once.
+    assert all(t.attempt == 1 for t in mem.store.triggers.values())
 
 
 async def test_a_trigger_no_live_consumer_can_load_is_failed_naming_the_class(
     mem: InMemory,
 ) -> None:
+    from triggerflow.store import ProcessKind
     from triggerflow.writer import Writer
 
     s = fast_settings()
-    a, b = Consumer(s, mem.store, mem.transport()), Consumer(s, mem.store, mem.transport())
-    writer = Writer(s, mem.store, mem.transport())
-    async with running(a, b, writer):
-        await until(lambda: a.me and b.me)
+    consumer, writer = Consumer(s, mem.store, mem.transport()), Writer(s, mem.store, mem.transport())
+    # A peer that might load it (newer code, say) is registered: the consumer refuses the
+    # class and passes it on.
+    peer = await mem.store.register(ProcessKind.CONSUMER, "h", 9, [QUEUE], 10, "v", ttl=3600)
+    async with running(consumer, writer):
+        await until(lambda: bool(consumer.me))
         tid = await _defer_raw(mem, 1, "tests.no_such_module.Gone", {})
-        # Each refuses it in turn; then neither may load it: failed, not passed round forever.
-        await until(lambda: mem.store.task(key(1)).state == TaskState.SCHEDULED, timeout=8)
+        await until(lambda: consumer.me in mem.store.triggers[tid].rejected_by)
+        await mem.store.unregister(peer)  # now no live consumer can load it
+        await until(lambda: mem.store.task(key(1)).state == TaskState.SCHEDULED, timeout=5)
     task = mem.store.task(key(1))
     assert tid not in mem.store.triggers
-    assert task.next_method == "__fail__" and "tests.no_such_module.Gone" in task.next_kwargs["message"]
+    assert task.next_method == "__fail__"
+    assert "tests.no_such_module.Gone" in task.next_kwargs["message"]
