@@ -235,7 +235,7 @@ async def test_lease_expiry_with_events_in_flight_applies_each_task_once(
         # Both attempts reached the writer: the current one applied, the stale one ignored.
         async def settled() -> object:
             s = await scrape_when_up(port)
-            applied = total(s, "triggerflow_events_applied_total")
+            applied = total(s, "triggerflow_writer_events_applied_total")
             ignored = total(s, "triggerflow_writer_events_ignored_total")
             return (applied, ignored) if applied + ignored >= 2 * n else None
 
