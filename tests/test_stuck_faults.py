@@ -341,41 +341,36 @@ FAILOVER_PROMISE = 5.0  # docs/operations.md: SIGKILL failover <= 5 s with defau
 
 async def _sigkill_failover_once(client: TriggerflowClient, db: Database, procs: Processes,
                                  q: str, run: int, n: int = 2000) -> dict[str, float]:
+    """The victim is killed as its timers start coming due (across 2 s): how late is the
+    latest of them, fired by the peer after the failover?"""
     overrides = {k: v.total_seconds() if isinstance(v, timedelta) else v
                  for k, v in DEFAULTS.items()}
+    dag = f"fo{run}"
     victim = procs.consume(q, **overrides)
     victim_id = await consumer_id(db, victim)
-    start = datetime.now(UTC) + timedelta(seconds=8)
-    # Timers due across a 2 s window.
-    deferrals = [Deferral(TaskKey(f"fo{run}", f"t{i}", "r"),
-                          DateTimeTrigger(start + timedelta(seconds=2 * i / n)), q)
-                 for i in range(n)]
-    await client.defer_many(deferrals)
+    start = datetime.now(UTC) + timedelta(seconds=10)
+    await client.defer_many([Deferral(TaskKey(dag, f"t{i}", "r"),
+                                      DateTimeTrigger(start + timedelta(seconds=2 * i / n)), q)
+                             for i in range(n)])
     await wait_until(lambda: db.fetchval(
-        "SELECT count(*) = $1 FROM trigger t JOIN task_instance ti ON ti.trigger_id = t.id "
-        "WHERE ti.dag_id = $2 AND t.owner_id = $3", n, f"fo{run}", victim_id), 20,
+        "SELECT count(*) = $1 FROM trigger WHERE owner_id = $2", n, victim_id), 20,
         message="the victim holds every timer")
     peer = procs.consume(q, **overrides)
-    peer_id = await consumer_id(db, peer)
-    await asyncio.sleep(1.5)  # renewals; the peer may take a share (rebalance): "most"
+    await consumer_id(db, peer)
+    await asyncio.sleep(max(0.0, (start - datetime.now(UTC)).total_seconds()))
     held = int(await db.fetchval("SELECT count(*) FROM trigger WHERE owner_id = $1", victim_id))
-    killed_at = float(await db.fetchval("SELECT extract(epoch FROM clock_timestamp())"))
     victim.send_signal(signal.SIGKILL)
     await wait_until(lambda: db.fetchval(
-        "SELECT count(*) = 0 FROM task_instance WHERE dag_id = $1 AND state = 'deferred'",
-        f"fo{run}"), 30, interval=0.2, message="all applied")
+        "SELECT count(*) = 0 FROM task_instance WHERE dag_id = $1 AND state = 'deferred'", dag),
+        30, interval=0.2, message="all applied")
     row = await db.fetchrow(
-        "SELECT extract(epoch FROM max(claimed_at))::float8 AS last_claim, count(*) AS left "
-        "FROM trigger WHERE owner_id = $1", peer_id)
-    lateness = await db.fetchrow(
-        "SELECT max(extract(epoch FROM event_fired_at - (next_kwargs->>'event')::timestamptz)) "
-        "AS worst, count(*) FILTER (WHERE next_method = 'execute_complete') AS resumed "
-        "FROM task_instance WHERE dag_id = $1", f"fo{run}")
+        "SELECT max(extract(epoch FROM event_fired_at - (next_kwargs->>'event')::timestamptz))"
+        "::float8 AS worst, count(*) FILTER (WHERE next_method = 'execute_complete') AS resumed "
+        "FROM task_instance WHERE dag_id = $1", dag)
     peer.send_signal(signal.SIGTERM)
     await asyncio.to_thread(peer.wait, 15)
-    assert row is not None and lateness is not None
-    return {"held": held, "failover": (row["last_claim"] or killed_at) - killed_at,
-            "worst_late": float(lateness["worst"]), "resumed": lateness["resumed"], "n": n}
+    assert row is not None
+    return {"held": held, "worst_late": float(row["worst"]), "resumed": row["resumed"], "n": n}
 
 
 async def test_sigkill_failover_of_2000_timers_with_default_settings(
@@ -386,15 +381,15 @@ async def test_sigkill_failover_of_2000_timers_with_default_settings(
     reps = int(os.environ.get("TRIGGERFLOW_FAILOVER_REPS", "2"))
     runs = [await _sigkill_failover_once(client, db, procs, teams[0], r) for r in range(reps)]
     for r in runs:
-        print(f"failover: victim held {r['held']:.0f}, last claim {r['failover']:.2f}s after "
-              f"SIGKILL, worst timer {r['worst_late']:.2f}s late")
+        print(f"failover: victim held {r['held']:.0f} of {r['n']:.0f}, latest timer fired "
+              f"{r['worst_late']:.2f}s after it was due")
     if reps > 2:
         late = sorted(r["worst_late"] for r in runs)
         print(f"worst lateness over {reps} runs: min {late[0]:.2f} median "
               f"{statistics.median(late):.2f} max {late[-1]:.2f}")
     for r in runs:
         assert r["resumed"] == r["n"]  # every task resumed by its timer, none lost or failed
-        assert r["held"] >= r["n"] / 2  # the victim held most of them
+        assert r["held"] > r["n"] / 2  # the victim held most of them
         assert r["worst_late"] <= FAILOVER_PROMISE, r
     writer_applied = await db.fetchval(
         "SELECT count(*) FROM task_instance WHERE event_applied_at IS NOT NULL")
