@@ -19,7 +19,7 @@ from triggerflow.sdk import Deferral, DeferralError
 from triggerflow.store import NewDeferral, StoreUnavailable
 from triggerflow.testing import InMemory, MemoryStore
 from triggerflow.triggers import BaseTrigger, DateTimeTrigger, TimeDeltaTrigger, TriggerEvent
-from triggerflow.wire import encode_json
+from triggerflow.wire import decode_wakeup, encode_json
 
 BAD_MOMENT = "0001-01-01T00:00:00+14:00"  # parses, but its event (a datetime) cannot be built
 
@@ -452,3 +452,32 @@ async def test_rss_stays_flat_over_200k_short_coroutine_triggers() -> None:
 
 async def _no_republish(refs: Sequence[Any]) -> None:
     return None
+
+
+async def test_claimed_triggers_start_even_when_the_overflow_republish_fails(
+    mem: InMemory,
+) -> None:
+    from triggerflow.transport.memory import MemoryTransport
+
+    class FailsOnce(MemoryTransport):
+        failed = False
+
+        async def publish_wakeups(self, ids_by_queue: Any, **kwargs: Any) -> None:
+            if not FailsOnce.failed:
+                FailsOnce.failed = True
+                from triggerflow.transport import TransportUnavailable
+
+                raise TransportUnavailable("channel closed")
+            await super().publish_wakeups(ids_by_queue, **kwargs)
+
+    s = fast_settings(capacity=5, unclaimed_grace=60)
+    consumer = Consumer(s, mem.store, FailsOnce(mem.broker))
+    async with running(consumer), mem.client(s) as client:
+        ids = await client.defer_many([_far(i) for i in range(10)])  # one wake-up of 10
+        await until(lambda: FailsOnce.failed and len(consumer.runner) == 5)
+        await asyncio.sleep(0.3)
+        owned = {i for i in ids if mem.store.triggers[i].owner == consumer.me}
+        assert owned == set(consumer.runner.running), "claimed rows that nobody runs"
+        # The overflow was not lost: its wake-up went back to the queue.
+        assert sum(len(decode_wakeup(m.body)) for m in mem.broker.ready(QUEUE)) + len(
+            consumer.transport._unacked) >= 1  # type: ignore[attr-defined]
