@@ -339,6 +339,13 @@ DEFAULTS = {name: Settings.model_fields[name].default for name in (
 FAILOVER_PROMISE = 5.0  # docs/operations.md: SIGKILL failover <= 5 s with default settings
 
 
+async def _registered(db: Database, proc: object) -> int:
+    pid = proc.pid  # type: ignore[attr-defined]
+    return int(await wait_until(lambda: db.fetchval(
+        "SELECT max(id) FROM consumer WHERE pid = $1 AND expires_at > now()", pid), 60,
+        message=f"consumer pid {pid} registered"))
+
+
 async def _sigkill_failover_once(client: TriggerflowClient, db: Database, procs: Processes,
                                  q: str, run: int, n: int = 2000) -> dict[str, float]:
     """The victim is killed as its timers start coming due (across 2 s): how late is the
@@ -347,8 +354,8 @@ async def _sigkill_failover_once(client: TriggerflowClient, db: Database, procs:
                  for k, v in DEFAULTS.items()}
     dag = f"fo{run}"
     victim = procs.consume(q, **overrides)
-    victim_id = await consumer_id(db, victim)
-    start = datetime.now(UTC) + timedelta(seconds=10)
+    victim_id = await _registered(db, victim)
+    start = datetime.now(UTC) + timedelta(seconds=15)  # room for a slow start on a busy machine
     await client.defer_many([Deferral(TaskKey(dag, f"t{i}", "r"),
                                       DateTimeTrigger(start + timedelta(seconds=2 * i / n)), q)
                              for i in range(n)])
@@ -356,8 +363,10 @@ async def _sigkill_failover_once(client: TriggerflowClient, db: Database, procs:
         "SELECT count(*) = $1 FROM trigger WHERE owner_id = $2", n, victim_id), 20,
         message="the victim holds every timer")
     peer = procs.consume(q, **overrides)
-    await consumer_id(db, peer)
-    await asyncio.sleep(max(0.0, (start - datetime.now(UTC)).total_seconds()))
+    await _registered(db, peer)
+    early = (start - datetime.now(UTC)).total_seconds()
+    assert early > 0, "the peer came up after the timers were due: nothing would be measured"
+    await asyncio.sleep(early)
     held = int(await db.fetchval("SELECT count(*) FROM trigger WHERE owner_id = $1", victim_id))
     victim.send_signal(signal.SIGKILL)
     await wait_until(lambda: db.fetchval(
@@ -379,10 +388,12 @@ async def test_sigkill_failover_of_2000_timers_with_default_settings(
     """``TRIGGERFLOW_FAILOVER_REPS=20`` measures the distribution docs/operations.md reports."""
     procs.writer()
     reps = int(os.environ.get("TRIGGERFLOW_FAILOVER_REPS", "2"))
-    runs = [await _sigkill_failover_once(client, db, procs, teams[0], r) for r in range(reps)]
-    for r in runs:
+    runs = []
+    for rep in range(reps):
+        r = await _sigkill_failover_once(client, db, procs, teams[0], rep)
+        runs.append(r)
         print(f"failover: victim held {r['held']:.0f} of {r['n']:.0f}, latest timer fired "
-              f"{r['worst_late']:.2f}s after it was due")
+              f"{r['worst_late']:.2f}s after it was due", flush=True)
     if reps > 2:
         late = sorted(r["worst_late"] for r in runs)
         print(f"worst lateness over {reps} runs: min {late[0]:.2f} median "
