@@ -366,7 +366,11 @@ class Consumer:
 
     async def _pass_on(self, refs: list[TriggerRef]) -> None:
         """Refused here before: fail what no live consumer may load, pass the rest on."""
-        failed = set(await self.store.fail_unloadable(self.me, [r.id for r in refs]))
+        try:
+            failed = set(await self.store.fail_unloadable(self.me, [r.id for r in refs]))
+        except StoreError as exc:  # passed on as before; the next refusal asks again
+            log.warning("checking refused triggers failed: %r", exc)
+            failed = set()
         if failed:
             log.warning("failed %d trigger(s) no live consumer of their queue can load",
                         len(failed))
