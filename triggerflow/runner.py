@@ -133,10 +133,10 @@ class TriggerRunner:
     def _on_timer(self) -> None:
         self._wakeup = None
         now = time.time()
-        heap = self._heap
         try:
-            while heap and heap[0][0] <= now:
-                _, trigger_id, attempt = heapq.heappop(heap)
+            # self._heap each time round: a compaction may replace the list meanwhile
+            while self._heap and self._heap[0][0] <= now:
+                _, trigger_id, attempt = heapq.heappop(self._heap)
                 held = self.running.get(trigger_id)
                 if held is None or held.attempt != attempt:
                     self._stale = max(0, self._stale - 1)
