@@ -185,13 +185,15 @@ async def test_probation_halves_suspects_and_quarantines_the_killer() -> None:
         ids = await client.defer_many([_deferral(i) for i in range(4)])
     store = mem.store
     killer = ids[2]
-    # A writer that stays alive throughout witnesses each death (else: an outage, no blame).
-    await store.register(ProcessKind.WRITER, "h", 2, [], 0, "v", ttl=10**6)
+    # A peer that keeps renewing witnesses each death (else: an outage, no one to blame).
+    witness = await store.register(ProcessKind.CONSUMER, "h", 2, ["other"], 10, "v", ttl=1)
 
     async def crash_with(claimed: Callable[[int], Awaitable[list[int]]]) -> list[int]:
         me = await store.register(ProcessKind.CONSUMER, "h", 1, [QUEUE], 10, "v", ttl=1)
         held = await claimed(me)
-        clock.advance(2)
+        for _ in range(3):
+            clock.advance(0.7)
+            await store.renew(witness, 1, 0, ["other"])
         await store.reap_dead([QUEUE], 30)
         return held
 

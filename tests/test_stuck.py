@@ -341,11 +341,13 @@ async def test_an_outage_that_fences_everyone_blames_no_trigger() -> None:
         await store.register(ProcessKind.CONSUMER, "h", 1, [QUEUE], 10, "v", ttl=3)  # back
         assert len((await store.reap_dead([QUEUE], 30)).freed) == 4
     assert all(store.triggers[i].failures == 0 for i in ids)
-    # A death some process lived through is still counted.
-    await store.register(ProcessKind.WRITER, "h", 2, [], 0, "v", ttl=100)
+    # A death a peer renewing on the same lease lived through is still counted.
+    peer = await store.register(ProcessKind.CONSUMER, "h", 2, [QUEUE], 10, "v", ttl=3)
     me = await store.register(ProcessKind.CONSUMER, "h", 1, [QUEUE], 10, "v", ttl=3)
     await store.claim(me, ids, [QUEUE])
-    clock.advance(5)
+    clock.advance(2)
+    await store.renew(peer, 3, 0, [QUEUE])
+    clock.advance(2)
     await store.reap_dead([QUEUE], 30)
     assert all(store.triggers[i].failures == 1 for i in ids)
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import aio_pika
 import pytest
 
-from tests.conftest import FAST, Processes, wait_until
+from tests.conftest import FAST, Processes, SuiteServices, wait_until
 from tests.test_faults import consumer_id
 from tests.test_ops import free_port, scrape_when_up, total
 from tests.triggers import WaitsForever
@@ -96,11 +96,13 @@ async def test_an_outage_that_expires_every_lease_blames_no_trigger(
         assert len((await store.reap_dead(None, 30)).freed) == 4
         await store.unregister(back)  # and the next outage takes it down too
     assert await db.fetchval("SELECT max(failures) FROM trigger") == 0
-    # A death that a live process saw happen is still counted against its triggers.
-    await store.register(ProcessKind.WRITER, "h", 2, [], 0, "v", ttl=60)
+    # A death that a peer on the same lease lived through (renewing) is still counted.
+    peer = await store.register(ProcessKind.CONSUMER, "h", 2, [Q], 10, "v", ttl=1)
     me = await store.register(ProcessKind.CONSUMER, "h", 1, [Q], 10, "v", ttl=1)
     await store.claim(me, ids, [Q])
-    await asyncio.sleep(1.2)
+    await asyncio.sleep(0.6)
+    await store.renew(peer, 1, 0, [Q])
+    await asyncio.sleep(0.6)
     await store.reap_dead(None, 30)
     assert await db.fetchval("SELECT min(failures) FROM trigger") == 1
 
@@ -405,3 +407,39 @@ async def test_sigkill_failover_of_2000_timers_with_default_settings(
     writer_applied = await db.fetchval(
         "SELECT count(*) FROM task_instance WHERE event_applied_at IS NOT NULL")
     assert writer_applied == sum(r["n"] for r in runs)
+
+
+async def test_a_database_outage_longer_than_the_lease_blames_no_trigger(
+    client: TriggerflowClient, db: Database, procs: Processes, teams: list[str],
+    services: SuiteServices,
+) -> None:
+    pg = services.owned("pg").postgres
+    q, n = teams[0], 200
+    procs.writer()
+    consumers = [procs.consume(q), procs.consume(q)]
+    for c in consumers:
+        await consumer_id(db, c)
+    ids = await client.defer_many([Deferral(TaskKey("out", f"t{i}", "r"),
+                                            DateTimeTrigger(datetime.now(UTC) + timedelta(hours=1)),
+                                            q) for i in range(n)])
+    await wait_until(lambda: db.fetchval(
+        "SELECT count(*) = $1 FROM trigger WHERE owner_id IS NOT NULL", n), 15)
+    # Down for longer than the lease (2 s): every consumer and the writer lose theirs.
+    await asyncio.to_thread(pg._ctl, "stop", "-m", "immediate")
+    await asyncio.sleep(FAST["lease_ttl"] + 1.5)
+    await asyncio.to_thread(pg._ctl, "start")
+
+    async def reclaimed() -> bool:
+        try:  # the first statements after the restart may meet dead pooled connections
+            return bool(await db.fetchval(
+                "SELECT count(*) = $1 AND min(t.attempt) >= 2 FROM trigger t "
+                "JOIN consumer c ON c.id = t.owner_id AND c.expires_at > now() "
+                "WHERE t.id = ANY($2::bigint[])", n, ids))
+        except Exception:
+            return False
+
+    await wait_until(reclaimed, 30, message="fenced consumers re-registered and re-claimed")
+    blamed = await db.fetch("SELECT last_error, count(*) AS n FROM trigger WHERE failures > 0 "
+                            "GROUP BY 1")
+    assert not blamed, [dict(r) for r in blamed]
+    assert all(c.poll() is None for c in consumers)

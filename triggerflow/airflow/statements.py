@@ -192,11 +192,12 @@ DELETE FROM {SCHEMA}.trigger_state WHERE trigger_id = ANY($1::int[]) AND owner_i
 # (``Trigger.submit_failure``: '__fail__', 'Trigger failure', the reason as its traceback).
 REAP_DEAD = f"""
 WITH dead AS (
-    -- witnessed: another process stayed alive across this one's expiry; else an outage
-    -- fenced everyone and no trigger is to blame
+    -- witnessed: another process with a lease no longer than this one's stayed valid across
+    -- its expiry (so the database took writes then); else an outage: no trigger to blame
     SELECT d.id, d.probation, EXISTS (
                SELECT 1 FROM {SCHEMA}.consumer w
                WHERE w.id <> d.id AND w.expires_at > now() AND w.registered_at < d.expires_at
+                 AND w.expires_at - w.renewed_at <= d.expires_at - d.renewed_at
            ) AS witnessed
     FROM {SCHEMA}.consumer d
     WHERE d.expires_at < now() AND (d.queues && $1::text[] OR $2)

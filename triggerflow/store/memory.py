@@ -91,6 +91,7 @@ class Process:
     running: int = 0
     probation: list[int] = field(default_factory=list)
     started_at: float = 0.0
+    ttl: float = 0.0
 
 
 class MemoryStore:
@@ -149,7 +150,8 @@ class MemoryStore:
                        capacity: int, version: str, ttl: float) -> int:
         me = next(self._process_ids)
         now = self.clock()
-        self.processes[me] = Process(ProcessKind(kind), list(queues), now + ttl, started_at=now)
+        self.processes[me] = Process(ProcessKind(kind), list(queues), now + ttl, started_at=now,
+                                     ttl=ttl)
         return me
 
     async def renew(self, me: int, ttl: float, running: int,
@@ -158,7 +160,7 @@ class MemoryStore:
             return None
         now = self.clock()
         mine = self.processes[me]
-        mine.expires_at, mine.running = now + ttl, running
+        mine.expires_at, mine.running, mine.ttl = now + ttl, running, ttl
         same_set = [p for p in self.processes.values() if set(p.queues) == set(queues)]
         dead = [p for p in self.processes.values() if p.expires_at <= now
                 and (not queues or set(p.queues) & set(queues))]
@@ -321,7 +323,7 @@ class MemoryStore:
                 and (queues is None or set(p.queues) & set(queues))}
         # Witnessed: someone stayed alive across the expiry; else it was an outage for all.
         witnessed = {pid: any(other != pid and p.expires_at > now and p.started_at < d.expires_at
-                              for other, p in self.processes.items())
+                              and p.ttl <= d.ttl for other, p in self.processes.items())
                      for pid, d in dead.items()}
         freed = []
         for t in self.triggers.values():

@@ -300,12 +300,14 @@ SELECT kind, queue, latency FROM moved
 # blamed alone, or too often, is quarantined and its task failed naming the class.
 REAP_DEAD = """
 WITH dead AS (
-    -- witnessed: some process stayed alive (one row, renewed without a gap) across this
-    -- one's expiry. If none did, the database or the broker was away for everyone (an
+    -- witnessed: another process kept one row valid across this one's expiry with a lease
+    -- no longer than this one's, so it wrote to the database during the very lease period
+    -- this one failed to renew in. If none did, the database was away for everyone (an
     -- outage fences every consumer at once): no trigger is to blame for that.
     SELECT d.id, d.probation, EXISTS (
                SELECT 1 FROM consumer w
                WHERE w.id <> d.id AND w.expires_at > now() AND w.started_at < d.expires_at
+                 AND w.expires_at - w.renewed_at <= d.expires_at - d.renewed_at
            ) AS witnessed
     FROM consumer d
     WHERE d.expires_at < now() AND (d.queues && $1::text[] OR $2)
