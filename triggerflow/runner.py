@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from triggerflow.model import EventKind, FailureReason
-from triggerflow.triggers.base import BaseTrigger, TimerTrigger, TriggerEvent
+from triggerflow.triggers.base import BaseTrigger, TimerTrigger, TriggerEvent, usable_deadline
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +74,7 @@ class TriggerRunner:
         self._emit = emit
         self.running: dict[int, Held] = {}
         self._heap: list[tuple[float, int, int]] = []  # (when, trigger id, attempt)
+        self._stale = 0  # heap entries whose trigger ended before its time (lazy deletion)
         self._wakeup: asyncio.TimerHandle | None = None
         self._wakeup_at = float("inf")
         self._cleanups: set[asyncio.Task[None]] = set()
@@ -84,15 +85,27 @@ class TriggerRunner:
     # -- starting ------------------------------------------------------------------------
 
     def start(self, held: Held, trigger: BaseTrigger) -> None:
+        """Run ``trigger``; a deadline it cannot give fails only its own task."""
         trigger.trigger_id = held.id
         trigger.task_key = held.task_key
-        self.running[held.id] = held
+        previous = self.running.get(held.id)
+        if previous is not None:  # re-delivered to us: one run per trigger, never two
+            self.cancel([held.id])
         if _is_heap_timer(trigger):
             assert isinstance(trigger, TimerTrigger)
-            held.deadline = trigger.deadline()
+            try:
+                deadline = usable_deadline(trigger)
+            except Exception as exc:
+                self._emit_safely(held, EventKind.FAIL, failure(
+                    FailureReason.TRIGGER_FAILURE,
+                    f"trigger {held.classpath}: {exc}"))
+                return
+            self.running[held.id] = held
+            held.deadline = deadline
             held.timer_cls = type(trigger)
-            when = held.deadline if held.timeout_at is None else min(held.deadline, held.timeout_at)
+            when = deadline if held.timeout_at is None else min(deadline, held.timeout_at)
         else:
+            self.running[held.id] = held
             # Unnamed: a name is one more string per waiting trigger, and the watchdog finds
             # a blocking trigger from the stack, not from the task.
             held.task = asyncio.get_running_loop().create_task(self._run(held, trigger))
@@ -120,26 +133,55 @@ class TriggerRunner:
     def _on_timer(self) -> None:
         self._wakeup = None
         now = time.time()
-        heap = self._heap
-        while heap and heap[0][0] <= now:
-            _, trigger_id, attempt = heapq.heappop(heap)
-            held = self.running.get(trigger_id)
-            if held is None or held.attempt != attempt:
-                continue  # finished or cancelled already (lazy deletion)
-            if held.deadline is not None and held.deadline <= now:
-                del self.running[trigger_id]
-                assert held.timer_cls is not None
-                timer_cls = held.timer_cls
-                self._emit(held, timer_cls.timer_kind, timer_cls.timer_payload(held.deadline))
-            elif held.timeout_at is not None and held.timeout_at <= now:
-                self._time_out(held)
-        self._arm()
+        try:
+            # self._heap each time round: a compaction may replace the list meanwhile
+            while self._heap and self._heap[0][0] <= now:
+                _, trigger_id, attempt = heapq.heappop(self._heap)
+                held = self.running.get(trigger_id)
+                if held is None or held.attempt != attempt:
+                    self._stale = max(0, self._stale - 1)
+                    continue  # finished or cancelled already (lazy deletion)
+                if held.deadline is not None and held.deadline <= now:
+                    del self.running[trigger_id]
+                    self._fire_timer(held)
+                elif held.timeout_at is not None and held.timeout_at <= now:
+                    self._time_out(held)
+        finally:  # whatever one trigger did, the heap keeps waking up for the others
+            self._arm()
+
+    def _fire_timer(self, held: Held) -> None:
+        assert held.timer_cls is not None and held.deadline is not None
+        timer_cls = held.timer_cls
+        try:
+            payload = timer_cls.timer_payload(held.deadline)
+        except Exception as exc:
+            self._emit_safely(held, EventKind.FAIL, failure(
+                FailureReason.TRIGGER_FAILURE,
+                f"trigger {held.classpath} could not build its event: {exc!r}"))
+            return
+        self._emit_safely(held, timer_cls.timer_kind, payload)
+
+    def _emit_safely(self, held: Held, kind: EventKind, payload: Any) -> None:
+        """Emit; an outcome that cannot be emitted becomes a ``__fail__`` of its own task."""
+        try:
+            self._emit(held, kind, payload)
+            return
+        except Exception as exc:
+            log.exception("emitting the outcome of %s failed", held.classpath,
+                          extra=held.log_context())
+            fallback = failure(FailureReason.TRIGGER_FAILURE,
+                               f"the outcome of trigger {held.classpath} could not be sent: {exc!r}")
+        try:
+            self._emit(held, EventKind.FAIL, fallback)
+        except Exception:  # the reaper's deferral timeout still ends the task
+            log.exception("emitting the failure of %s failed", held.classpath,
+                          extra=held.log_context())
 
     def _time_out(self, held: Held) -> None:
         del self.running[held.id]
         if held.task is not None:
             held.task.cancel()
-        self._emit(held, EventKind.FAIL, failure(
+        self._emit_safely(held, EventKind.FAIL, failure(
             FailureReason.TRIGGER_TIMEOUT, f"trigger {held.classpath} timed out"))
 
     # -- coroutine triggers ----------------------------------------------------------------
@@ -179,7 +221,25 @@ class TriggerRunner:
     def _finish(self, held: Held, kind: EventKind, payload: Any) -> None:
         if self.running.get(held.id) is held:
             del self.running[held.id]
-            self._emit(held, kind, payload)
+            self._forget_heap_entry(held)
+            self._emit_safely(held, kind, payload)
+
+    def _forget_heap_entry(self, held: Held) -> None:
+        """Count the entry of a trigger that ended early; compact once most are stale.
+
+        Coroutine triggers carry the deferral timeout (7 days by default) on the heap, so
+        without this every finished one would stay there until then.
+        """
+        if held.timeout_at is None and held.deadline is None:
+            return  # never pushed
+        self._stale += 1
+        if self._stale > 1024 and self._stale * 2 > len(self._heap):
+            running = self.running
+            self._heap = [e for e in self._heap
+                          if (h := running.get(e[1])) is not None and h.attempt == e[2]]
+            heapq.heapify(self._heap)
+            self._stale = 0
+            self._arm()
 
     # -- stopping ------------------------------------------------------------------------
 
@@ -189,6 +249,8 @@ class TriggerRunner:
         stopped = []
         for trigger_id in targets:
             held = self.running.pop(trigger_id)
+            if ids is not None:
+                self._forget_heap_entry(held)
             if held.task is not None and not held.task.done():
                 held.task.cancel()
                 self._cleanups.add(held.task)
@@ -196,6 +258,7 @@ class TriggerRunner:
             stopped.append(held)
         if ids is None:
             self._heap.clear()
+            self._stale = 0
             self._arm()
         return stopped
 

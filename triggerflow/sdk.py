@@ -30,7 +30,7 @@ from triggerflow.settings import Settings
 from triggerflow.store import NewDeferral, Store, StoreUnavailable
 from triggerflow.telemetry import current_traceparent, tracer
 from triggerflow.transport import PublishRefused, Transport, TransportUnavailable, Unroutable
-from triggerflow.triggers.base import BaseTrigger
+from triggerflow.triggers.base import BaseTrigger, TimerTrigger, usable_deadline
 from triggerflow.wire import encode_json
 
 log = logging.getLogger(__name__)
@@ -248,6 +248,11 @@ class TriggerflowClient:
             if not d.queue or len(d.queue) > 200:
                 raise DeferralError(f"bad queue name {d.queue!r}")
             classpath, kwargs = d.trigger.serialize()
+            if isinstance(d.trigger, TimerTrigger):
+                try:
+                    usable_deadline(d.trigger)
+                except ValueError as exc:
+                    raise DeferralError(str(exc)) from None
             if not is_allowed(classpath, s.allowed_modules):
                 raise DeferralError(
                     f"trigger class {classpath!r} is outside the allowed modules {s.allowed_modules}"

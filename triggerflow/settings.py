@@ -130,6 +130,11 @@ class Settings(BaseSettings):
     cancel_sweep_interval: Duration = Field(
         seconds(5.0), gt=ZERO, description="Seconds between sweeps for held triggers whose task moved on."
     )
+    reconcile_after: Duration = Field(
+        seconds(60.0), gt=ZERO,
+        description="Seconds after a trigger fired before a row still held for it is taken "
+        "as a lost event and re-sent.",
+    )
     unclaimed_grace: Duration = Field(
         seconds(15.0), gt=ZERO, description="Seconds an unclaimed trigger waits before it is re-sent."
     )

@@ -26,10 +26,11 @@ RETURNING
      WHERE c.expires_at <= now() AND (c.queues && $4::text[] OR cardinality($4::text[]) = 0))
         AS dead_peers,
     (SELECT count(*) FROM {SCHEMA}.consumer c
-     WHERE c.kind = 'consumer' AND c.expires_at > now() AND c.queues && $4::text[]) AS live_peers,
+     WHERE c.kind = 'consumer' AND c.expires_at > now()
+       AND c.queues @> $4::text[] AND c.queues <@ $4::text[]) AS live_peers,
     (SELECT coalesce(sum(c.running), 0) FROM {SCHEMA}.consumer c
-     WHERE c.kind = 'consumer' AND c.expires_at > now() AND c.queues && $4::text[])
-        AS peers_running
+     WHERE c.kind = 'consumer' AND c.expires_at > now()
+       AND c.queues @> $4::text[] AND c.queues <@ $4::text[]) AS peers_running
 """
 
 UNREGISTER = f"""
@@ -96,7 +97,7 @@ WITH worst AS (
     WHERE coalesce(t.queue, $3) = ANY($2::text[]) AND s.owner_id IS NULL
       AND s.quarantined_at IS NULL AND s.failures = worst.f AND NOT ($1 = ANY(s.rejected_by))
     ORDER BY s.trigger_id
-    LIMIT (SELECT greatest(1, (n + 1) / 2) FROM worst)
+    LIMIT (SELECT least(greatest(1, (n + 1) / 2), $4::int) FROM worst)
     FOR UPDATE OF s SKIP LOCKED
 ), claimed AS (
     UPDATE {SCHEMA}.trigger_state s SET owner_id = $1, attempt = s.attempt + 1,
@@ -132,6 +133,39 @@ WHERE t.id = s.trigger_id AND s.owner_id = $1
 RETURNING s.trigger_id AS id, coalesce(t.queue, $5) AS queue
 """
 
+# Reconcile: rows I fired but still own at that attempt lost their event; free them.
+RELEASE_LOST = f"""
+UPDATE {SCHEMA}.trigger_state s SET owner_id = NULL, published_at = now()
+FROM "trigger" t, unnest($2::int[], $3::int[]) AS lost(id, attempt)
+WHERE t.id = s.trigger_id AND s.trigger_id = lost.id AND s.attempt = lost.attempt
+  AND s.owner_id = $1
+RETURNING s.trigger_id AS id, coalesce(t.queue, $4) AS queue
+"""
+
+# Refused triggers no other live consumer may load: fail their tasks naming the class.
+FAIL_UNLOADABLE = f"""
+WITH gone AS (
+    DELETE FROM {SCHEMA}.trigger_state s USING "trigger" t
+    WHERE t.id = s.trigger_id AND s.trigger_id = ANY($1::int[]) AND s.owner_id IS NULL
+      AND $2::bigint = ANY(s.rejected_by)
+      AND NOT EXISTS (
+          SELECT 1 FROM {SCHEMA}.consumer c
+          WHERE c.kind = 'consumer' AND c.expires_at > now()
+            AND coalesce(t.queue, $3) = ANY(c.queues) AND NOT (c.id = ANY(s.rejected_by)))
+    RETURNING s.trigger_id, t.classpath, coalesce(t.queue, $3) AS queue, s.last_error
+), failed AS (
+    UPDATE task_instance ti SET state = 'scheduled', next_method = '__fail__',
+        next_kwargs = jsonb_build_object(
+            'error', 'Trigger failure',
+            'traceback', jsonb_build_array(format(
+                'triggerflow: no live consumer of queue %s can load %s (%s)',
+                g.queue, g.classpath, coalesce(g.last_error, 'unknown')))),
+        trigger_id = NULL, scheduled_dttm = now(), updated_at = now()
+    FROM gone g WHERE ti.trigger_id = g.trigger_id AND ti.state = 'deferred'
+)
+SELECT trigger_id AS id FROM gone
+"""
+
 OTHER_LOADERS = f"""
 SELECT count(*) FROM {SCHEMA}.consumer c, "trigger" t
 LEFT JOIN {SCHEMA}.trigger_state s ON s.trigger_id = t.id
@@ -158,12 +192,20 @@ DELETE FROM {SCHEMA}.trigger_state WHERE trigger_id = ANY($1::int[]) AND owner_i
 # (``Trigger.submit_failure``: '__fail__', 'Trigger failure', the reason as its traceback).
 REAP_DEAD = f"""
 WITH dead AS (
-    SELECT id, probation FROM {SCHEMA}.consumer
-    WHERE expires_at < now() AND (queues && $1::text[] OR $2)
-    FOR UPDATE SKIP LOCKED
+    -- witnessed: another process with a lease no longer than this one's stayed valid across
+    -- its expiry (so the database took writes then); else an outage: no trigger to blame
+    SELECT d.id, d.probation, EXISTS (
+               SELECT 1 FROM {SCHEMA}.consumer w
+               WHERE w.id <> d.id AND w.expires_at > now() AND w.registered_at < d.expires_at
+                 AND w.expires_at - w.renewed_at <= d.expires_at - d.renewed_at
+           ) AS witnessed
+    FROM {SCHEMA}.consumer d
+    WHERE d.expires_at < now() AND (d.queues && $1::text[] OR $2)
+    FOR UPDATE OF d SKIP LOCKED
 ), blamed AS (
     SELECT s.trigger_id, s.owner_id,
-           (cardinality(d.probation) = 0 OR s.trigger_id = ANY(d.probation)) AS blame,
+           d.witnessed AND (cardinality(d.probation) = 0 OR s.trigger_id = ANY(d.probation))
+               AS blame,
            d.probation = ARRAY[s.trigger_id::bigint] AS alone
     FROM {SCHEMA}.trigger_state s JOIN dead d ON s.owner_id = d.id
 ), freed AS (

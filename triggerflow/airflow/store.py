@@ -161,8 +161,10 @@ class AirflowStore:
                 result.refused.append(TriggerRef(row["id"], row["queue"]))
         return result
 
-    async def claim_probation(self, me: int, queues: Sequence[str]) -> list[TriggerSpec]:
-        rows = await self._fetch(sql.CLAIM_PROBATION, me, list(queues), self.default_queue)
+    async def claim_probation(self, me: int, queues: Sequence[str],
+                              limit: int | None = None) -> list[TriggerSpec]:
+        rows = await self._fetch(sql.CLAIM_PROBATION, me, list(queues), self.default_queue,
+                                 limit or 2**31 - 1)
         return [self._spec(r) for r in rows]
 
     async def clear_probation(self, me: int, ids: Sequence[int]) -> None:
@@ -173,6 +175,16 @@ class AirflowStore:
         rows = await self._fetch(sql.RELEASE, me, None if ids is None else list(ids),
                                  cannot_load, reason, self.default_queue)
         return [TriggerRef(r["id"], r["queue"]) for r in rows]
+
+    async def release_lost(self, me: int, ids: Sequence[int],
+                           attempts: Sequence[int]) -> list[TriggerRef]:
+        rows = await self._fetch(sql.RELEASE_LOST, me, list(ids), list(attempts),
+                                 self.default_queue)
+        return [TriggerRef(r["id"], r["queue"]) for r in rows]
+
+    async def fail_unloadable(self, me: int, ids: Sequence[int]) -> list[int]:
+        rows = await self._fetch(sql.FAIL_UNLOADABLE, list(ids), me, self.default_queue)
+        return [r["id"] for r in rows]
 
     async def other_loaders(self, trigger_id: int, me: int) -> int:
         rows = await self._fetch(sql.OTHER_LOADERS, trigger_id, me, self.default_queue)

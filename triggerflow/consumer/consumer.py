@@ -20,6 +20,7 @@ from triggerflow.consumer.observe import ConsumerObserver
 from triggerflow.consumer.outcomes import EncodeFn, Outcomes
 from triggerflow.consumer.probation import Probation
 from triggerflow.consumer.rebalance import excess
+from triggerflow.consumer.reconcile import Reconciler
 from triggerflow.emitter import EventSink
 from triggerflow.lease import Lease, LeaseLost
 from triggerflow.loader import BadKwargs, Disallowed, Loader, TriggerLoader, Unloadable
@@ -81,7 +82,11 @@ class Consumer:
         self._tasks: list[asyncio.Task[Any]] = []
         self._stopping = False
         self.probation = Probation(self.store, self.lease, self.queues, self._claim_lock,
-                                   self._start, settings.probation_seconds.total_seconds())
+                                   self._start, settings.probation_seconds.total_seconds(),
+                                   room=self._room)
+        self.reconciler = Reconciler(
+            store, lambda: self.me, self.runner.running.__contains__, self._republish,
+            settings.reconcile_after.total_seconds())
         self.observer = ConsumerObserver(self)
 
     @property
@@ -109,6 +114,7 @@ class Consumer:
             ("reaper", self.reaper.run(self.subscriptions.connected, self._reap_now)),
             ("cancel-sweep", self._sweep_loop()),
             ("probation", self.probation.run()),
+            ("reconcile", self.reconciler.run()),
         ):
             self._tasks.append(loop.create_task(coro, name=name))
         stopper = loop.create_task(stop.wait(), name="stop")
@@ -183,6 +189,9 @@ class Consumer:
         self._pending_ids += len(ids)
         self._wakeups.put_nowait((ids, message))
 
+    def _room(self) -> int:
+        return max(0, self.settings.capacity - len(self.runner) - self._pending_ids)
+
     def _take_locally(self, queue: str, ids: list[int]) -> list[int]:
         """Queue freed triggers for our own claim loop; return what does not fit."""
         if queue not in self.queues or self._stopping:
@@ -247,9 +256,10 @@ class Consumer:
             except asyncio.CancelledError:
                 raise
             except Exception:
-                # Not acked: the deliveries return to the queue when the channel closes, and
-                # the reaper re-sends whatever stays unclaimed. Nothing is lost.
-                log.exception("claim failed; %d deliveries left unacked", len(batch))
+                # Requeued at once: left unacked on an open channel they would wait for the
+                # broker's consumer timeout. The pause keeps a lost database from a hot loop.
+                log.exception("claim failed; requeueing %d deliveries", len(batch))
+                await self._requeue_all(batch)
                 await asyncio.sleep(1)
             finally:
                 self._pending_ids -= n
@@ -257,18 +267,36 @@ class Consumer:
 
     async def _claim(self, batch: list[Wakeup]) -> None:
         """One claim for the batch, then the acks: the lease is in the store now."""
+        me = self.me
+        if not self.lease.valid():  # fenced, re-registering: a claim now would be stranded
+            await self._requeue_all(batch)
+            await asyncio.sleep(0.1)
+            return
         ids, overflow = self._fit_to_room(batch)
-        found = await self.store.claim(self.me, ids, self.queues)
-        if overflow:  # hand the rest to other consumers through the queue, never nack
-            await self.transport.publish_wakeups(overflow)
-        await self._ack_all(batch)
+        found = await self.store.claim(me, ids, self.queues)
+        if me != self.me or not self.lease.valid():
+            # Fenced while the claim ran: nobody runs what it took under the old id.
+            await self.store.release(me, [s.id for s in found.claimed])
+            await self._requeue_all(batch)
+            return
+        try:
+            if overflow:  # hand the rest to other consumers through the queue, never nack
+                await self.transport.publish_wakeups(overflow)
+        except Exception:
+            # What we claimed still starts below; the deliveries go back to the queue so the
+            # overflow is not lost (their claimed ids then find a live owner and are skipped).
+            log.warning("re-publishing %d overflow ids failed; requeueing their wake-ups",
+                        sum(len(v) for v in overflow.values()), exc_info=True)
+            await self._requeue_all(batch)
+        else:
+            await self._ack_all(batch)
         if found.suspects:
             self.probation.suspects.set()
         if found.refused:  # we cannot load these: back to the queue for a consumer that can
             self._spawn(self._pass_on(found.refused))
         self.metrics.claimed.add(len(found.claimed))
         for i, spec in enumerate(found.claimed):
-            self._start(spec)
+            self._start(spec)  # never raises: one bad trigger must not strand the rest
             if i % 500 == 499:
                 await asyncio.sleep(0)
         self._update_flow()
@@ -286,6 +314,15 @@ class Consumer:
                     overflow[message.routing_key].append(trigger_id)
         return ids, overflow
 
+    async def _requeue_all(self, batch: list[Wakeup]) -> None:
+        for _, message in batch:
+            if message is None:
+                continue  # freed by our reaper: its next pass re-sends what stays unclaimed
+            try:
+                await message.reject(requeue=True)
+            except TransportError:
+                log.debug("reject lost with the channel; the broker requeues it anyway")
+
     async def _ack_all(self, batch: list[Wakeup]) -> None:
         for _, message in batch:
             if message is None:
@@ -300,6 +337,15 @@ class Consumer:
     def _start(self, spec: TriggerSpec) -> None:
         held = Held(spec.id, spec.attempt, spec.queue, spec.classpath, spec.task,
                     spec.timeout_at, spec.traceparent)
+        try:
+            self._build_and_run(held, spec)
+        except Exception as exc:  # whatever the trigger did, only its own task fails
+            log.exception("starting %s failed", spec.classpath, extra=held.log_context())
+            self.runner.cancel([held.id])
+            self.outcomes.emit(held, EventKind.FAIL, failure(
+                FailureReason.TRIGGER_FAILURE, f"trigger {spec.classpath} failed to start: {exc!r}"))
+
+    def _build_and_run(self, held: Held, spec: TriggerSpec) -> None:
         try:
             trigger = self.loader.build(spec)
         except Unloadable as exc:
@@ -331,9 +377,23 @@ class Consumer:
                                failure(FailureReason.TRIGGER_UNLOADABLE, msg))
 
     async def _pass_on(self, refs: list[TriggerRef]) -> None:
+        """Refused here before: fail what no live consumer may load, pass the rest on."""
+        try:
+            failed = set(await self.store.fail_unloadable(self.me, [r.id for r in refs]))
+        except StoreError as exc:  # passed on as before; the next refusal asks again
+            log.warning("checking refused triggers failed: %r", exc)
+            failed = set()
+        if failed:
+            log.warning("failed %d trigger(s) no live consumer of their queue can load",
+                        len(failed))
+            for ref in refs:
+                if ref.id in failed:
+                    self.metrics.failed.add(1, {"queue": ref.queue,
+                                                "reason": str(FailureReason.TRIGGER_UNLOADABLE)})
+        rest = [r for r in refs if r.id not in failed]
         await asyncio.sleep(1.0)  # no hot loop if the queue's only other consumer just left
-        if not self._stopping:
-            await self._republish(refs)
+        if rest and not self._stopping:
+            await self._republish(rest)
 
     async def _republish(self, refs: Sequence[TriggerRef]) -> None:
         by_queue: dict[str, list[int]] = defaultdict(list)
@@ -342,7 +402,8 @@ class Consumer:
         if by_queue:
             await self.transport.publish_wakeups(by_queue)
 
-    def _on_fired(self) -> None:
+    def _on_fired(self, held: Held) -> None:
+        self.reconciler.fired(held.id, held.attempt)
         if self.subscriptions.paused:
             self._update_flow()
 
@@ -382,6 +443,7 @@ class Consumer:
         log.error("lease lost (%s): stopped %d triggers, dropped %d events; re-registering",
                   why, len(stopped), dropped, extra={"consumer_id": self.me})
         self.probation.group = []
+        self.lease.deadline = 0.0  # invalid until re-registered: no claim, no event meanwhile
         old = self.me
         await self.lease.register()
         await self.subscriptions.set_control(self.me, self._on_control)  # named after our id
@@ -415,7 +477,7 @@ class Consumer:
                 continue
             try:
                 ids = await self.store.sweep_cancelled(self.me)
-            except StoreError:
-                continue
-            if ids:
-                await self.cancel(ids, cause="sweep")
+                if ids:
+                    await self.cancel(ids, cause="sweep")
+            except StoreError as exc:  # transient: the next sweep tries again
+                log.warning("cancel sweep failed: %r", exc)

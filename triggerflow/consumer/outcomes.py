@@ -14,7 +14,7 @@ from triggerflow.model import EventKind, FailureReason
 from triggerflow.runner import Held, failure
 from triggerflow.settings import Settings
 from triggerflow.telemetry import context_from, current_traceparent, get_metrics, tracer, tracing_enabled
-from triggerflow.wire import Event, PayloadError, validate_payload
+from triggerflow.wire import Event, validate_payload
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +31,7 @@ class Outcomes:
     """
 
     def __init__(self, sink: EventSink, lease: Lease, settings: Settings,
-                 on_fired: Callable[[], None], encode: EncodeFn | None = None) -> None:
+                 on_fired: Callable[[Held], None], encode: EncodeFn | None = None) -> None:
         self.sink = sink
         self.encode = encode
         self.lease = lease
@@ -47,7 +47,7 @@ class Outcomes:
         reason: str | None = None
         try:
             text = validate_payload(payload, self.max_event_bytes)
-        except PayloadError as exc:
+        except Exception as exc:  # PayloadError, or whatever else a payload's encoding raises
             reason = FailureReason.TRIGGER_FAILURE
             kind, fallback = EventKind.FAIL, failure(FailureReason.TRIGGER_FAILURE,
                                                      f"{held.classpath}: {exc}")
@@ -69,7 +69,7 @@ class Outcomes:
             self.metrics.succeeded.add(1, {"queue": held.queue})
         if log.isEnabledFor(logging.DEBUG):
             log.debug("fired %s", kind, extra=held.log_context())
-        self.on_fired()
+        self.on_fired(held)
 
     @staticmethod
     def _fire_span(held: Held, kind: EventKind) -> str | None:

@@ -21,22 +21,28 @@ class Probation:
     """Runs suspect groups one at a time, after ``suspects`` is set by a claim."""
 
     def __init__(self, store: Store, lease: Lease, queues: Sequence[str], claim_lock: asyncio.Lock,
-                 start: Callable[[TriggerSpec], None], seconds: float) -> None:
+                 start: Callable[[TriggerSpec], None], seconds: float,
+                 room: Callable[[], int]) -> None:
         self.store = store
         self.lease = lease
         self.queues = list(queues)
         self.claim_lock = claim_lock
         self.start = start
         self.seconds = seconds
+        self.room = room  # free capacity: a probation group never takes more
         self.suspects = asyncio.Event()
         self.group: list[int] = []
 
     async def run(self) -> None:
         while True:
             await self.suspects.wait()
+            room = self.room()
+            if room <= 0:  # full: suspects wait until we have room (or another consumer does)
+                await asyncio.sleep(1)
+                continue
             try:
                 async with self.claim_lock:  # held at shutdown: no group starts then
-                    specs = await self.store.claim_probation(self.lease.me, self.queues)
+                    specs = await self.store.claim_probation(self.lease.me, self.queues, room)
             except StoreError:
                 await asyncio.sleep(1)
                 continue
@@ -48,5 +54,15 @@ class Probation:
             for spec in specs:
                 self.start(spec)
             await asyncio.sleep(self.seconds)
-            await self.store.clear_probation(self.lease.me, self.group)
+            await self._clear(self.group)
             self.group = []
+
+    async def _clear(self, group: list[int]) -> None:
+        """Clear the group, retrying a transient store error rather than stopping."""
+        while True:
+            try:
+                await self.store.clear_probation(self.lease.me, group)
+                return
+            except StoreError as exc:
+                log.warning("clearing probation failed (%r); retrying", exc)
+                await asyncio.sleep(1)

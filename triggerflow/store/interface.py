@@ -186,8 +186,10 @@ class Store(Protocol):
         """Take the delivered ids of my queues that no live owner holds."""
         ...
 
-    async def claim_probation(self, me: int, queues: Sequence[str]) -> list[TriggerSpec]:
-        """Claim half of the worst suspects and record them as my probation group."""
+    async def claim_probation(self, me: int, queues: Sequence[str],
+                              limit: int | None = None) -> list[TriggerSpec]:
+        """Claim half of the worst suspects (at most ``limit``: my free capacity) and record
+        them as my probation group."""
         ...
 
     async def clear_probation(self, me: int, ids: Sequence[int]) -> None:
@@ -198,6 +200,17 @@ class Store(Protocol):
                       cannot_load: bool = False, reason: str | None = None) -> list[TriggerRef]:
         """Hand back my triggers (all when ``ids`` is None), no failure counted; with
         ``cannot_load`` remember that I refused them so the next claim passes them on."""
+        ...
+
+    async def release_lost(self, me: int, ids: Sequence[int],
+                           attempts: Sequence[int]) -> list[TriggerRef]:
+        """Reconcile: free the rows among ``ids`` I still own at exactly ``attempts`` though I
+        no longer run them (their event was lost), to be re-sent. Reads only these rows."""
+        ...
+
+    async def fail_unloadable(self, me: int, ids: Sequence[int]) -> list[int]:
+        """Of the unowned triggers I refused, fail (``__fail__`` naming the class) those no
+        other live consumer of their queue may still load; returns their ids."""
         ...
 
     async def other_loaders(self, trigger_id: int, me: int) -> int:

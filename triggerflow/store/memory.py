@@ -90,6 +90,8 @@ class Process:
     expires_at: float
     running: int = 0
     probation: list[int] = field(default_factory=list)
+    started_at: float = 0.0
+    ttl: float = 0.0
 
 
 class MemoryStore:
@@ -147,7 +149,9 @@ class MemoryStore:
     async def register(self, kind: ProcessKind, host: str, pid: int, queues: Sequence[str],
                        capacity: int, version: str, ttl: float) -> int:
         me = next(self._process_ids)
-        self.processes[me] = Process(ProcessKind(kind), list(queues), self.clock() + ttl)
+        now = self.clock()
+        self.processes[me] = Process(ProcessKind(kind), list(queues), now + ttl, started_at=now,
+                                     ttl=ttl)
         return me
 
     async def renew(self, me: int, ttl: float, running: int,
@@ -156,11 +160,11 @@ class MemoryStore:
             return None
         now = self.clock()
         mine = self.processes[me]
-        mine.expires_at, mine.running = now + ttl, running
-        overlap = [p for p in self.processes.values() if set(p.queues) & set(queues)]
+        mine.expires_at, mine.running, mine.ttl = now + ttl, running, ttl
+        same_set = [p for p in self.processes.values() if set(p.queues) == set(queues)]
         dead = [p for p in self.processes.values() if p.expires_at <= now
                 and (not queues or set(p.queues) & set(queues))]
-        live = [p for p in overlap if p.kind is ProcessKind.CONSUMER and p.expires_at > now]
+        live = [p for p in same_set if p.kind is ProcessKind.CONSUMER and p.expires_at > now]
         return Renewal(len(dead), len(live), sum(p.running for p in live))
 
     async def unregister(self, me: int) -> None:
@@ -188,7 +192,8 @@ class MemoryStore:
                 result.claimed.append(self._take(t, me))
         return result
 
-    async def claim_probation(self, me: int, queues: Sequence[str]) -> list[TriggerSpec]:
+    async def claim_probation(self, me: int, queues: Sequence[str],
+                              limit: int | None = None) -> list[TriggerSpec]:
         waiting = [t for t in self.triggers.values() if t.queue in queues and t.owner is None
                    and not t.quarantined and t.failures >= 2]
         if not waiting:
@@ -196,7 +201,7 @@ class MemoryStore:
         worst = max(t.failures for t in waiting)
         level = [t for t in waiting if t.failures == worst]
         group = sorted((t for t in level if me not in t.rejected_by), key=lambda t: t.id)
-        group = group[: max(1, (len(level) + 1) // 2)]
+        group = group[: min(max(1, (len(level) + 1) // 2), limit or len(level))]
         self.processes[me].probation = [t.id for t in group]
         return [self._take(t, me) for t in group]
 
@@ -220,6 +225,35 @@ class MemoryStore:
                 t.last_error = reason or t.last_error
                 refs.append(TriggerRef(t.id, t.queue))
         return refs
+
+    async def release_lost(self, me: int, ids: Sequence[int],
+                           attempts: Sequence[int]) -> list[TriggerRef]:
+        refs = []
+        for trigger_id, attempt in zip(ids, attempts, strict=True):
+            t = self.triggers.get(trigger_id)
+            if t is not None and t.owner == me and t.attempt == attempt:
+                t.owner, t.dispatched_at = None, self.clock()
+                refs.append(TriggerRef(t.id, t.queue))
+        return refs
+
+    async def fail_unloadable(self, me: int, ids: Sequence[int]) -> list[int]:
+        failed = []
+        for trigger_id in ids:
+            t = self.triggers.get(trigger_id)
+            if (t is None or t.owner is not None or me not in t.rejected_by
+                    or await self.other_loaders(trigger_id, me)):
+                continue
+            del self.triggers[trigger_id]
+            failed.append(trigger_id)
+            task = self._task_on(trigger_id)
+            if task is not None and task.state == TaskState.DEFERRED:
+                task.state, task.next_method = TaskState.SCHEDULED, FAIL_METHOD
+                task.next_kwargs = {
+                    "error": "Trigger could not be loaded",
+                    "message": f"trigger {t.id} ({t.classpath}): no live consumer of queue "
+                               f"{t.queue} can load it ({t.last_error or 'unknown'})"}
+                task.trigger_id = task.trigger_timeout = None
+        return failed
 
     async def other_loaders(self, trigger_id: int, me: int) -> int:
         t = self.triggers.get(trigger_id)
@@ -289,12 +323,16 @@ class MemoryStore:
         now = self.clock()
         dead = {pid: p for pid, p in self.processes.items() if p.expires_at < now
                 and (queues is None or set(p.queues) & set(queues))}
+        # Witnessed: someone stayed alive across the expiry; else it was an outage for all.
+        witnessed = {pid: any(other != pid and p.expires_at > now and p.started_at < d.expires_at
+                              and p.ttl <= d.ttl for other, p in self.processes.items())
+                     for pid, d in dead.items()}
         freed = []
         for t in self.triggers.values():
             owner = dead.get(t.owner) if t.owner is not None else None
-            if owner is None:
+            if owner is None or t.owner is None:
                 continue
-            blame = not owner.probation or t.id in owner.probation
+            blame = witnessed[t.owner] and (not owner.probation or t.id in owner.probation)
             alone = owner.probation == [t.id]
             if blame:
                 t.quarantined = alone or t.failures + 1 >= max_failures
@@ -341,7 +379,8 @@ class MemoryStore:
             late = (task.trigger_timeout < now - ORPHAN_SLACK if task.trigger_timeout is not None
                     else task.updated_at < now - max_deferral)
             t = self.triggers.get(task.trigger_id) if task.trigger_id is not None else None
-            if not late or (t is not None and self._alive(t.owner)):
+            held = t is not None and self._alive(t.owner)
+            if not late or (task.trigger_timeout is None and held):
                 continue
             task.state, task.next_method = TaskState.SCHEDULED, FAIL_METHOD
             task.next_kwargs = {"error": "Trigger timeout",

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import abc
 import logging
+import math
 from collections.abc import AsyncIterator
 from typing import Any, ClassVar
 
@@ -145,3 +146,16 @@ class TimerTrigger(BaseTrigger):
         from datetime import UTC, datetime
 
         return datetime.fromtimestamp(deadline, UTC)
+
+
+def usable_deadline(trigger: TimerTrigger) -> float:
+    """The timer's deadline, refused (``ValueError``) unless it is a finite time whose event
+    can be built: a moment such as ``0001-01-01T00:00:00+14:00`` parses, but its event cannot."""
+    try:
+        deadline = float(trigger.deadline())
+        if not math.isfinite(deadline):
+            raise ValueError(f"deadline {deadline} is not a finite time")
+        type(trigger).timer_payload(deadline)
+    except (ArithmeticError, ValueError, TypeError, OSError) as exc:
+        raise ValueError(f"{type(trigger).__qualname__} has no usable deadline: {exc}") from None
+    return deadline

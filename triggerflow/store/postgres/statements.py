@@ -81,11 +81,13 @@ RETURNING id
 
 # One row per renewal, whatever the number of triggers held. Also reports, for the queues
 # this process serves, whether a peer's lease has expired (so reaping starts at once) and how
-# many triggers the live peers hold (for rebalancing after a rolling restart).
-# Renew touches my row; whether a peer of my queues is dead is an EXISTS over the index
-# of expiries (only expired rows are read). The peers' counts, for rebalancing only, are read
-# when $5 asks for them (every few seconds): CASE leaves the subqueries unevaluated otherwise,
-# so a renewal does not scan the consumer table (n processes x n rows each second).
+# many triggers the live peers of the same queue set hold (for rebalancing after a rolling
+# restart: consumers of different queue sets cannot take each other's triggers, so they must
+# not count as peers, or they shed to each other forever).
+# Whether a peer of my queues is dead is an EXISTS over the index of expiries (only expired
+# rows are read). The peers' counts, for rebalancing only, are read when $5 asks for them
+# (every few seconds): CASE leaves the subqueries unevaluated otherwise, so a renewal does
+# not scan the consumer table (n processes x n rows each second).
 RENEW = """
 UPDATE consumer SET renewed_at = now(), expires_at = now() + make_interval(secs => $2),
        running = $3
@@ -95,10 +97,12 @@ RETURNING
             WHERE c.expires_at <= now()
               AND (c.queues && $4::text[] OR cardinality($4::text[]) = 0))::int AS dead_peers,
     CASE WHEN $5 THEN (SELECT count(*) FROM consumer c
-         WHERE c.kind = 'consumer' AND c.expires_at > now() AND c.queues && $4::text[])
+         WHERE c.kind = 'consumer' AND c.expires_at > now()
+           AND c.queues @> $4::text[] AND c.queues <@ $4::text[])
     ELSE 0 END AS live_peers,
     CASE WHEN $5 THEN (SELECT coalesce(sum(c.running), 0) FROM consumer c
-         WHERE c.kind = 'consumer' AND c.expires_at > now() AND c.queues && $4::text[])
+         WHERE c.kind = 'consumer' AND c.expires_at > now()
+           AND c.queues @> $4::text[] AND c.queues <@ $4::text[])
     ELSE 0 END AS peers_running
 """
 
@@ -167,7 +171,7 @@ WITH worst AS (
     WHERE t.queue = ANY($2::text[]) AND t.owner_id IS NULL AND t.quarantined_at IS NULL
       AND t.failures = worst.f AND NOT ($1 = ANY(t.rejected_by))
     ORDER BY t.id
-    LIMIT (SELECT greatest(1, (n + 1) / 2) FROM worst)
+    LIMIT (SELECT least(greatest(1, (n + 1) / 2), $3::int) FROM worst)
     FOR UPDATE OF t SKIP LOCKED
 ), claimed AS (
     UPDATE trigger t SET owner_id = $1, attempt = t.attempt + 1, claimed_at = now()
@@ -196,6 +200,38 @@ UPDATE trigger SET owner_id = NULL, dispatched_at = now(),
        last_error = coalesce($4, last_error)
 WHERE owner_id = $1 AND ($2::bigint[] IS NULL OR id = ANY($2::bigint[]))
 RETURNING id, queue
+"""
+
+# Reconcile: rows I fired (or failed to start) but still own at that attempt lost their
+# event on the way; free them for re-sending. Found by primary key, never by scanning all I hold.
+RELEASE_LOST = """
+UPDATE trigger t SET owner_id = NULL, dispatched_at = now()
+FROM unnest($2::bigint[], $3::int[]) AS lost(id, attempt)
+WHERE t.id = lost.id AND t.attempt = lost.attempt AND t.owner_id = $1
+RETURNING t.id, t.queue
+"""
+
+# Triggers I refused (could not load) that no other live consumer of their queue may still
+# load: fail their tasks naming the class, instead of passing them round forever.
+FAIL_UNLOADABLE = """
+WITH gone AS (
+    DELETE FROM trigger t
+    WHERE t.id = ANY($1::bigint[]) AND t.owner_id IS NULL AND $2::bigint = ANY(t.rejected_by)
+      AND NOT EXISTS (
+          SELECT 1 FROM consumer c
+          WHERE c.kind = 'consumer' AND c.expires_at > now() AND t.queue = ANY(c.queues)
+            AND NOT (c.id = ANY(t.rejected_by)))
+    RETURNING t.id, t.classpath, t.queue, t.last_error
+), failed AS (
+    UPDATE task_instance ti SET state = 'scheduled', next_method = '__fail__',
+        next_kwargs = jsonb_build_object(
+            'error', 'Trigger could not be loaded',
+            'message', format('trigger %s (%s): no live consumer of queue %s can load it (%s)',
+                              g.id, g.classpath, g.queue, coalesce(g.last_error, 'unknown'))),
+        trigger_id = NULL, trigger_timeout = NULL, updated_at = clock_timestamp()
+    FROM gone g WHERE ti.trigger_id = g.id AND ti.state = 'deferred'
+)
+SELECT id FROM gone
 """
 
 # Live consumers of a queue that have not yet refused a trigger: can anyone else load it?
@@ -288,12 +324,21 @@ SELECT kind, queue, latency FROM moved
 # blamed alone, or too often, is quarantined and its task failed naming the class.
 REAP_DEAD = """
 WITH dead AS (
-    SELECT id, probation FROM consumer
-    WHERE expires_at < now() AND (queues && $1::text[] OR $2)
-    FOR UPDATE SKIP LOCKED
+    -- witnessed: another process kept one row valid across this one's expiry with a lease
+    -- no longer than this one's, so it wrote to the database during the very lease period
+    -- this one failed to renew in. If none did, the database was away for everyone (an
+    -- outage fences every consumer at once): no trigger is to blame for that.
+    SELECT d.id, d.probation, EXISTS (
+               SELECT 1 FROM consumer w
+               WHERE w.id <> d.id AND w.expires_at > now() AND w.started_at < d.expires_at
+                 AND w.expires_at - w.renewed_at <= d.expires_at - d.renewed_at
+           ) AS witnessed
+    FROM consumer d
+    WHERE d.expires_at < now() AND (d.queues && $1::text[] OR $2)
+    FOR UPDATE OF d SKIP LOCKED
 ), blamed AS (
     SELECT t.id, t.owner_id,
-           (cardinality(d.probation) = 0 OR t.id = ANY(d.probation)) AS blame,
+           d.witnessed AND (cardinality(d.probation) = 0 OR t.id = ANY(d.probation)) AS blame,
            d.probation = ARRAY[t.id] AS alone
     FROM trigger t JOIN dead d ON t.owner_id = d.id
 ), freed AS (
@@ -338,18 +383,21 @@ UPDATE trigger t SET dispatched_at = now() FROM due WHERE t.id = due.id
 RETURNING t.id, t.queue
 """
 
-# Deferred tasks past their timeout (or the default maximum deferral) whose trigger runs on
-# no live consumer: fail them the Airflow way and drop the trigger.
+# Deferred tasks past their timeout (or, without one, the maximum deferral with their trigger
+# on no live consumer): fail them the Airflow way and drop the trigger. Nothing lost between
+# the consumer, the broker and the writer can keep a task deferred past this.
 TIMEOUT_ORPHANS = """
 WITH due AS (
     SELECT ti.id, ti.trigger_id FROM task_instance ti
     WHERE ti.state = 'deferred'
+      -- past its timeout it is due whoever owns it: a live owner that still runs the
+      -- trigger times it out itself at trigger_timeout, so one that has not is not running it
       AND (ti.trigger_timeout < now() - interval '2 seconds'
-           OR (ti.trigger_timeout IS NULL AND ti.updated_at < now() - make_interval(secs => $3)))
+           OR (ti.trigger_timeout IS NULL AND ti.updated_at < now() - make_interval(secs => $3)
+               AND NOT EXISTS (
+                   SELECT 1 FROM trigger t JOIN consumer c ON c.id = t.owner_id
+                   WHERE t.id = ti.trigger_id AND c.expires_at > now())))
       AND (ti.queue = ANY($1::text[]) OR $2)
-      AND NOT EXISTS (
-          SELECT 1 FROM trigger t JOIN consumer c ON c.id = t.owner_id
-          WHERE t.id = ti.trigger_id AND c.expires_at > now())
     ORDER BY ti.id
     LIMIT 10000
     FOR UPDATE OF ti SKIP LOCKED

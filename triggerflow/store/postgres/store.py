@@ -8,6 +8,7 @@ Imports nothing from the broker side.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import sys
 import time
@@ -53,20 +54,50 @@ def _scope(queues: Sequence[str] | None) -> tuple[list[str], bool]:
 class PostgresStore:
     """The native store on one pool. ``codec`` decodes the kwargs of claimed triggers."""
 
-    def __init__(self, pool: asyncpg.Pool, codec: KwargsCodec | None = None) -> None:
+    def __init__(self, pool: asyncpg.Pool, codec: KwargsCodec | None = None, *,
+                 lease_dsn: str | None = None, pgbouncer: bool = False) -> None:
         self.pool = pool
         self.codec = codec or KwargsCodec()
         self._peers_due = 0.0  # monotonic time of the next renewal that reads the peers
         self._uneven = False  # the last read of the peers found a rebalance to do
+        # Renewals get a connection of their own: queued behind bulk work on a small pool
+        # (a flood of claims, sweeps, hand-overs) they would miss the lease and fence us.
+        self._lease_dsn = lease_dsn
+        self._pgbouncer = pgbouncer
+        self._lease_conn: asyncpg.Connection | None = None
+        self._lease_lock = asyncio.Lock()
 
     @classmethod
     async def connect(cls, dsn: str, *, max_size: int = 4, pgbouncer: bool = False,
                       codec: KwargsCodec | None = None) -> PostgresStore:
-        return cls(await create_pool(dsn, max_size=max_size, pgbouncer=pgbouncer), codec)
+        pool = await create_pool(dsn, max_size=max_size, pgbouncer=pgbouncer)
+        return cls(pool, codec, lease_dsn=dsn, pgbouncer=pgbouncer)
 
     async def close(self) -> None:
+        await self._drop_lease_connection()
         with contextlib.suppress(TimeoutError):
             await self.pool.close()
+
+    async def _drop_lease_connection(self) -> None:
+        conn, self._lease_conn = self._lease_conn, None
+        if conn is not None:
+            conn.terminate()  # never waits: it may be the connection that hangs
+
+    async def _lease_fetchrow(self, query: str, *args: Any) -> Record | None:
+        """Run a lease statement on the dedicated connection (the pool when there is none)."""
+        if self._lease_dsn is None:
+            return await self._fetchrow(query, *args)
+        async with self._lease_lock, self._errors():
+            try:
+                if self._lease_conn is None or self._lease_conn.is_closed():
+                    self._lease_conn = await asyncpg.connect(
+                        self._lease_dsn, statement_cache_size=0 if self._pgbouncer else 16,
+                        server_settings={"application_name": "triggerflow-lease"})
+                row: Record | None = await self._lease_conn.fetchrow(query, *args)
+                return row
+            except BaseException:  # timed out, cancelled or broken: start clean next time
+                await self._drop_lease_connection()
+                raise
 
     # -- plumbing ------------------------------------------------------------------------
 
@@ -126,7 +157,7 @@ class PostgresStore:
         # every renewal, so shedding converges as fast as before.
         now = time.monotonic()
         peers = bool(queues) and (now >= self._peers_due or self._uneven)
-        row = await self._fetchrow(sql.RENEW, me, ttl, running, list(queues), peers)
+        row = await self._lease_fetchrow(sql.RENEW, me, ttl, running, list(queues), peers)
         if row is None:
             return None
         if peers:
@@ -155,8 +186,10 @@ class PostgresStore:
                 result.refused.append(TriggerRef(row["id"], row["queue"]))
         return result
 
-    async def claim_probation(self, me: int, queues: Sequence[str]) -> list[TriggerSpec]:
-        return [self._spec(r) for r in await self._fetch(sql.CLAIM_PROBATION, me, list(queues))]
+    async def claim_probation(self, me: int, queues: Sequence[str],
+                              limit: int | None = None) -> list[TriggerSpec]:
+        rows = await self._fetch(sql.CLAIM_PROBATION, me, list(queues), limit or 2**31 - 1)
+        return [self._spec(r) for r in rows]
 
     async def clear_probation(self, me: int, ids: Sequence[int]) -> None:
         await self._execute(sql.CLEAR_PROBATION, me, list(ids))
@@ -166,6 +199,14 @@ class PostgresStore:
         rows = await self._fetch(sql.RELEASE, me, None if ids is None else list(ids),
                                  cannot_load, reason)
         return [TriggerRef(r["id"], r["queue"]) for r in rows]
+
+    async def release_lost(self, me: int, ids: Sequence[int],
+                           attempts: Sequence[int]) -> list[TriggerRef]:
+        rows = await self._fetch(sql.RELEASE_LOST, me, list(ids), list(attempts))
+        return [TriggerRef(r["id"], r["queue"]) for r in rows]
+
+    async def fail_unloadable(self, me: int, ids: Sequence[int]) -> list[int]:
+        return [r["id"] for r in await self._fetch(sql.FAIL_UNLOADABLE, list(ids), me)]
 
     async def other_loaders(self, trigger_id: int, me: int) -> int:
         row = await self._fetchrow(sql.OTHER_LOADERS, trigger_id, me)
