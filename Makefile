@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv services test demo lint bench
+.PHONY: venv services tools test demo lint bench
 
 venv: $(STAMP)
 
@@ -19,7 +19,11 @@ $(STAMP): pyproject.toml
 services:
 	.ci/services
 
-test: venv
+# promtool for the alert/dashboard PromQL checks (unpacked into .tools/; never fails).
+tools:
+	.ci/tools
+
+test: venv tools
 	$(BIN)/pytest -q $(PYTEST_ARGS)
 
 demo: venv services
