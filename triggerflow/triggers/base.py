@@ -1,4 +1,4 @@
-"""The trigger API, shaped like Airflow's so a trigger ports by changing its import.
+"""The native trigger API, shaped like Airflow's (Airflow's own classes run unchanged in Airflow mode).
 
 A trigger is serialized to ``(classpath, kwargs)``, stored in PostgreSQL, rebuilt by a
 consumer with ``cls(**kwargs)``, and run as an async generator whose first event ends it.
