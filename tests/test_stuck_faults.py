@@ -118,16 +118,24 @@ async def test_probation_claims_at_most_the_free_capacity(
     assert len(await store.claim_probation(other, [Q])) == 19  # unbounded: half the rest
 
 
-async def test_renewal_counts_only_peers_of_the_same_queue_set(store: PostgresStore) -> None:
-    wide = await store.register(ProcessKind.CONSUMER, "h", 1, [Q, "other"], 10, "v", ttl=30)
-    narrow = await store.register(ProcessKind.CONSUMER, "h", 2, ["other"], 10, "v", ttl=30)
-    same = await store.register(ProcessKind.CONSUMER, "h", 3, ["other", Q], 10, "v", ttl=30)
-    await store.renew(same, 30, 7, ["other", Q])
-    await store.renew(wide, 30, 5, [Q, "other"])  # the counts read the rows before this one
-    r = await store.renew(wide, 30, 5, [Q, "other"])
-    assert r is not None and (r.live_peers, r.peers_running) == (2, 12)
-    r = await store.renew(narrow, 30, 1, ["other"])
-    assert r is not None and (r.live_peers, r.peers_running) == (1, 0)  # not 5 + 7
+async def test_renewal_counts_only_peers_of_the_same_queue_set(dsn: str) -> None:
+    """Each consumer process has its own store, which reads the peers' counts on its first
+    renewal (then every few seconds): one store per consumer here too."""
+    stores = [await PostgresStore.connect(dsn, max_size=1) for _ in range(3)]
+    try:
+        s_wide, s_narrow, s_same = stores
+        wide = await s_wide.register(ProcessKind.CONSUMER, "h", 1, [Q, "other"], 10, "v", ttl=30)
+        narrow = await s_narrow.register(ProcessKind.CONSUMER, "h", 2, ["other"], 10, "v", ttl=30)
+        same = await s_same.register(ProcessKind.CONSUMER, "h", 3, ["other", Q], 10, "v", ttl=30)
+        await s_same.renew(same, 30, 7, ["other", Q])
+        await s_wide.pool.execute("UPDATE consumer SET running = 5 WHERE id = $1", wide)
+        r = await s_wide.renew(wide, 30, 5, [Q, "other"])
+        assert r is not None and (r.live_peers, r.peers_running) == (2, 12)
+        r = await s_narrow.renew(narrow, 30, 1, ["other"])
+        assert r is not None and (r.live_peers, r.peers_running) == (1, 0)  # not 5 + 7
+    finally:
+        for s in stores:
+            await s.close()
 
 
 async def test_a_refused_trigger_nobody_live_can_load_is_failed_naming_the_class(
