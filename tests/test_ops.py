@@ -5,7 +5,6 @@ no secrets in output. Every wait is bounded."""
 from __future__ import annotations
 
 import asyncio
-import inspect
 import json
 import signal
 import socket
@@ -17,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import ROOT, Processes, settings_env, wait_until
@@ -95,19 +93,6 @@ async def writer_up(db: Database, proc: subprocess.Popen[bytes]) -> None:
         20, message="writer registered")
 
 
-def queue_gauges_wired() -> bool:
-    """The per-queue gauges run once cli.py starts them (see the ops report)."""
-    import triggerflow.cli.commands
-
-    return "start_queue_gauges" in inspect.getsource(triggerflow.cli.commands)
-
-
-def failure_reason_wired() -> bool:
-    from triggerflow.consumer.outcomes import Outcomes
-
-    return '"reason"' in inspect.getsource(Outcomes.emit)
-
-
 # ----------------------------------------------------------------------------- metrics
 
 
@@ -174,8 +159,6 @@ async def test_metrics_endpoint_serves_named_metrics_matching_the_database(
     assert total(w, "triggerflow_writer_events_ignored_total") == 0
 
 
-@pytest.mark.skipif(not failure_reason_wired(),
-                    reason="needs the consumer.py diff of the ops report (failures by reason)")
 async def test_failures_are_counted_by_reason(
     client: TriggerflowClient, db: Database, procs: Processes, teams: list[str], tmp_path: Path
 ) -> None:
@@ -197,8 +180,6 @@ async def test_failures_are_counted_by_reason(
     assert total(s, "triggerflow_triggers_failed_total", reason="Trigger timeout") == 1
 
 
-@pytest.mark.skipif(not queue_gauges_wired(),
-                    reason="needs the cli.py diff of the ops report (start_queue_gauges)")
 async def test_queue_depth_and_consumer_count_per_queue(
     client: TriggerflowClient, db: Database, procs: Processes, teams: list[str],
     settings: Settings,
