@@ -18,7 +18,7 @@ from typing import Any
 from triggerflow.triggers.base import BaseTrigger, TriggerEvent
 
 SCENARIOS = ("reference", "capacity", "burst", "held", "steady", "dbload", "periodic", "defer",
-             "failover")
+             "failover", "million")
 ROLES = ("consumer", "writer", "sdk")
 FAR = 3600.0  # seconds ahead for triggers that must only wait
 PLOT = Path(__file__).resolve().parents[2] / "docs" / "img" / "burst-latency.png"
@@ -71,6 +71,9 @@ class Sizes:
     failover: int = 10_000
     failover_repeats: int = 3
     failover_timeout: float = 120.0
+    million: int = 1_000_000  # waiting timers one consumer holds in the million scenario
+    million_periodic: tuple[int, ...] = (10_000, 100_000)  # smaller levels for periodic cost
+    million_window: float = 30.0  # seconds of waiting measured (CPU, statements, DB time)
     quiet_wait: float = 60.0  # longest wait for other work on the machine to finish
     settle: float = 3.0  # seconds a process is left alone before RSS/CPU/counts are read
     lead: float = 2.5  # seconds between deferring and the first instant (plus per-trigger)
@@ -86,7 +89,8 @@ QUICK = Sizes(
     steady_rate=100, steady_seconds=2.0, waiting=500, idle_window=2.0, dbload_burst=200,
     dbload_steady_seconds=1.0, writer_events=1_000, defer_single=50, defer_batched=1_000,
     defer_batch=100, defer_procs=8, defer_seconds=1.0, failover=200, failover_repeats=1,
-    failover_timeout=60.0, quiet_wait=0.0, settle=1.0, lead=1.0, worker_stagger=0.15,
+    failover_timeout=60.0, million=20_000, million_periodic=(1_000, 5_000), million_window=2.0,
+    quiet_wait=0.0, settle=1.0, lead=1.0, worker_stagger=0.15,
     baseline_each=False,
 )
 
@@ -111,6 +115,12 @@ TARGETS: dict[str, tuple[str, str]] = {
     "defer_batched": ("≥ 5,000 /s", "-"),
     "failover_kill": ("≤ 5 s", "26 s (median of 3)"),
     "failover_term": ("≤ 1 s", "-"),
+    "million_kb": ("≤ 0.5 KB", "-"),
+    "million_cpu": ("≤ 2 % of a core", "-"),
+    "million_stmts": ("≤ 2 /s", "-"),
+    "million_periodic": ("flat within 2x, 10k to 1M", "-"),
+    "million_steady": ("p50 ≤ 5 ms, p99 ≤ 20 ms", "-"),
+    "million_failover": ("≤ 30 s", "-"),
 }
 
 

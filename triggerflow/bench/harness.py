@@ -288,19 +288,21 @@ class Bench:
         env.pop("TRIGGERFLOW_QUEUES", None)  # each process gets its queues as flags
         return env
 
-    def start(self, kind: str, *args: str) -> Proc:
+    def start(self, kind: str, *args: str, **overrides: Any) -> Proc:
+        """Start ``triggerflow KIND ARGS``; ``overrides`` are settings for this process only."""
         role = "writer" if kind == "writer" else "consumer"
         if self.supervisor is None:
             self.supervisor = Supervisor(self.out)
-        popen = self.supervisor.start(kind, *args, env=self.env(role))
+        popen = self.supervisor.start(kind, *args, env=self.env(role, **overrides))
         proc = Proc(kind, popen, self.supervisor.log_path(popen), role)
         self.procs.append(proc)
         return proc
 
-    async def start_consumer(self, queue: str | None = None, *, ready: bool = True) -> Proc:
+    async def start_consumer(self, queue: str | None = None, *, ready: bool = True,
+                             **overrides: Any) -> Proc:
         queue = queue or self.queue
         before = await self.broker_consumers(queue)
-        proc = self.start("consume", "--queue", queue)
+        proc = self.start("consume", "--queue", queue, **overrides)
         if ready:
             await self.wait_ready(proc, queue, before + 1)
         return proc

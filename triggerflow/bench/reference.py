@@ -40,8 +40,9 @@ def reference_queue(b: Bench) -> str:
     return f"{b.namespace}.reference"
 
 
-async def reference_once(b: Bench, n: int) -> dict[str, Any]:
-    """One reference burst of ``n``: its latencies from the database, like a burst's."""
+async def reference_once(b: Bench, n: int, rate: float = 0.0) -> dict[str, Any]:
+    """One reference burst of ``n``: its latencies from the database, like a burst's. With
+    ``rate``, the instants are spread ``1 / rate`` apart instead (a steady rate's reference)."""
     from triggerflow.bench.harness import _run_id
 
     run = _run_id(f"ref{n}")
@@ -54,7 +55,7 @@ async def reference_once(b: Bench, n: int) -> dict[str, Any]:
     # warmed up: on a loaded machine that takes longer than any fixed lead.
     worker = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "triggerflow.bench", "reference-worker", "--run-id", run,
-        "--queue", reference_queue(b), "--lead", str(1.0 + n / 20_000),
+        "--queue", reference_queue(b), "--lead", str(1.0 + n / 20_000), "--rate", str(rate),
         env=b.env("writer"), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     stdout, stderr = await worker.communicate()
     if worker.returncode != 0:
@@ -113,7 +114,7 @@ def table_reference(res: dict[str, Any]) -> Table:
 # ----------------------------------------------------------------------------- the worker
 
 
-async def _worker(run_id: str, queue: str, lead: float) -> dict[str, Any]:
+async def _worker(run_id: str, queue: str, lead: float, rate: float) -> dict[str, Any]:
     import aio_pika
     import asyncpg
     import msgspec
@@ -132,6 +133,7 @@ async def _worker(run_id: str, queue: str, lead: float) -> dict[str, Any]:
     await sub.set_qos(prefetch_count=settings.writer_prefetch)
     q = await sub.declare_queue(queue, durable=True, arguments={"x-queue-type": "quorum"})
     payload = json.dumps("")  # the instant's, once it is set
+    payload_of: dict[int, str] = {}  # each id's own instant when they are spread (rate)
     done = asyncio.Event()
     warm = asyncio.Event()
     applied = 0
@@ -140,7 +142,9 @@ async def _worker(run_id: str, queue: str, lead: float) -> dict[str, Any]:
     async def on_delivery(message: aio_pika.abc.AbstractIncomingMessage) -> None:
         nonlocal applied, statements
         batch_ids, fired = msgspec.msgpack.decode(message.body)
-        await db.execute(APPLY, batch_ids, [payload] * len(batch_ids), fired)
+        payloads = ([payload_of[i] for i in batch_ids] if payload_of
+                    else [payload] * len(batch_ids))
+        await db.execute(APPLY, batch_ids, payloads, fired)
         await message.ack()
         if not batch_ids:
             warm.set()
@@ -183,9 +187,12 @@ async def _worker(run_id: str, queue: str, lead: float) -> dict[str, Any]:
     instant = time.time() + lead
     payload = json.dumps(datetime.fromtimestamp(instant, UTC).isoformat())
     at = loop.time() + lead
-    for i in ids:
-        loop.call_at(at, fire, i)
-    await asyncio.wait_for(done.wait(), timeout=120)
+    for k, i in enumerate(ids):
+        step = k / rate if rate else 0.0
+        if rate:
+            payload_of[i] = json.dumps(datetime.fromtimestamp(instant + step, UTC).isoformat())
+        loop.call_at(at + step, fire, i)
+    await asyncio.wait_for(done.wait(), timeout=120 + (len(ids) / rate if rate else 0))
     await conn.close()
     await db.close()
     return {"instant": instant, "applied": applied, "statements": statements}
@@ -200,6 +207,7 @@ def _worker_main(argv: list[str]) -> int:
     p.add_argument("--run-id", required=True)
     p.add_argument("--queue", required=True)
     p.add_argument("--lead", type=float, required=True)
+    p.add_argument("--rate", type=float, default=0.0)
     args = p.parse_args(argv)
-    print(json.dumps(uvloop.run(_worker(args.run_id, args.queue, args.lead))))
+    print(json.dumps(uvloop.run(_worker(args.run_id, args.queue, args.lead, args.rate))))
     return 0

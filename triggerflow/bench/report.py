@@ -12,6 +12,7 @@ from triggerflow.bench.dbload import scenario_dbload, tables_dbload
 from triggerflow.bench.defer import scenario_defer, table_defer
 from triggerflow.bench.failover import scenario_failover, table_failover
 from triggerflow.bench.harness import Bench
+from triggerflow.bench.million import million_checks, scenario_million, table_million
 from triggerflow.bench.periodic import scenario_periodic, tables_periodic
 from triggerflow.bench.reference import scenario_reference, table_reference
 from triggerflow.bench.scenarios import (
@@ -138,10 +139,18 @@ def _summary_ops(results: dict[str, Any]) -> list[Row]:
     return rows
 
 
+def _summary_million(results: dict[str, Any]) -> list[Row]:
+    m = results.get("million")
+    if not m:
+        return []
+    return [_row(key, what, value, ok if m["n"] >= 1_000_000 else None)
+            for key, what, value, _, ok in million_checks(m)]
+
+
 def summary_rows(results: dict[str, Any]) -> list[Row]:
     rows = _summary_capacity(results["capacity"]) if "capacity" in results else []
     return (rows + _summary_latency(results) + _summary_db(results) + _summary_periodic(results)
-            + _summary_ops(results))
+            + _summary_ops(results) + _summary_million(results))
 
 
 def table_summary(results: dict[str, Any]) -> Table:
@@ -194,6 +203,7 @@ RUNNERS: dict[str, Callable[[Bench], Awaitable[dict[str, Any]]]] = {
     "reference": scenario_reference, "held": scenario_held, "periodic": scenario_periodic,
     "capacity": scenario_capacity, "burst": scenario_burst, "steady": scenario_steady,
     "dbload": scenario_dbload, "defer": scenario_defer, "failover": scenario_failover,
+    "million": scenario_million,
 }
 
 
@@ -214,4 +224,6 @@ def _tables(name: str, res: dict[str, Any], sizes: Sizes) -> list[Table]:
         return tables_dbload(res)
     if name == "defer":
         return [table_defer(res, sizes.defer_batch)]
+    if name == "million":
+        return [table_million(res)]
     return [table_failover(res, sizes.failover)]
