@@ -68,3 +68,14 @@ def test_bench_quick_reference_held_periodic(tmp_path: Path, pg_server: str,
     assert [r["held"] for r in data["periodic"]["held"]] == [200, 1_000]
     assert all(r["stmts_per_s"]["consumer"] > 0 for r in data["periodic"]["held"])
     assert data["periodic"]["idle"][0]["stmts_per_s_per_process"] > 0
+
+
+def test_bench_quick_million(tmp_path: Path, pg_server: str, amqp_server: str) -> None:
+    out, data = _run_quick(tmp_path, pg_server, amqp_server, ["million"])
+    assert "Million: one consumer holding 20,000 waiting timers" in out, out[-4000:]
+    m = data["million"]
+    assert [lv["held"] for lv in m["levels"]] == [2_000, 20_000]
+    assert m["claim_s"] > 0 and m["bytes_per_timer"] > 0
+    assert m["steady"]["applied"] == 200 and m["reference"]["applied"] == 200
+    fo = m["failover"]
+    assert fo["complete"] and fo["peer_owned"] == fo["total"] == 20_000

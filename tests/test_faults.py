@@ -78,6 +78,30 @@ async def test_consumer_loss_fails_over_to_peer(
         assert await db.fetchval("SELECT max(failures) FROM trigger") == 1
 
 
+async def test_sigkill_of_a_big_holder_is_reaped_in_batches(
+    client: TriggerflowClient, db: Database, procs: Processes, teams: list[str],
+) -> None:
+    # reap_batch 150 of 500 held: four reaper statements free the dead consumer's triggers,
+    # each batch claimed by the peer while the next is freed; every trigger blamed once.
+    writer = procs.writer(reap_batch=150)
+    first = procs.consume(teams[0], reap_batch=150)
+    first_id = await consumer_id(db, first)
+    await client.defer_many(timers(500, 25, teams[0]))
+    await wait_until(lambda: all_owned_by(db, first_id, 500), 15, message="first holds all")
+    second = procs.consume(teams[0], reap_batch=150)
+    second_id = await consumer_id(db, second)
+    await asyncio.sleep(0.3)
+    first.send_signal(signal.SIGKILL)
+    await wait_until(lambda: all_owned_by(db, second_id, 500), 15, interval=0.05,
+                     message="peer holds all")
+    log = procs.log(second) + procs.log(writer)  # either reaper may take a batch
+    assert log.count("(a batch; more follow)") == 3, log[-3000:]  # the witness: 3 + the last
+    assert log.count("reclaimed 50 triggers from 1 dead consumer(s)") == 1, log[-3000:]
+    assert await db.fetchval("SELECT min(failures) = 1 AND max(failures) = 1 FROM trigger")
+    # the dead row went with its last trigger, so no renewal reports a dead peer any more
+    assert await db.fetchval("SELECT count(*) FROM consumer WHERE id = $1", first_id) == 0
+
+
 async def test_paused_consumer_is_fenced_and_reregisters(
     client: TriggerflowClient, db: Database, procs: Processes, teams: list[str]
 ) -> None:

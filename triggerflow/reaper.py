@@ -14,7 +14,7 @@ from collections import defaultdict
 from collections.abc import Callable
 
 from triggerflow.settings import Settings
-from triggerflow.store import Store, TriggerRef
+from triggerflow.store import Reaped, Store, TriggerRef
 from triggerflow.telemetry import get_metrics
 from triggerflow.transport import Transport, TransportUnavailable, Unroutable
 
@@ -83,10 +83,22 @@ class Reaper:
                 log.exception("reaper sweep failed")
 
     async def reap_dead(self) -> int:
-        """Free the triggers of consumers whose lease expired; quarantine proven killers."""
-        reaped = await self.store.reap_dead(self.queues, self.settings.max_failures)
+        """Free the triggers of consumers whose lease expired; quarantine proven killers.
+
+        In batches of ``reap_batch``, each re-sent before the next is freed: the claims of
+        a million reclaimed triggers overlap their freeing instead of waiting for all of it.
+        """
+        batch, total = self.settings.reap_batch, 0
+        while True:
+            reaped = await self.store.reap_dead(self.queues, self.settings.max_failures, batch)
+            await self._reaped(reaped)
+            total += len(reaped.freed)
+            if len(reaped.freed) < batch:
+                return total
+
+    async def _reaped(self, reaped: Reaped) -> None:
         if not reaped.freed:
-            return 0
+            return
         m = get_metrics()
         for t in reaped.freed:
             if t.quarantined:
@@ -96,11 +108,10 @@ class Reaper:
                     t.id, t.classpath, t.failures,
                     extra={"trigger_id": t.id, "queue": t.queue, "trigger_class": t.classpath},
                 )
-        log.info("reclaimed %d triggers from %d dead consumer(s)", len(reaped.freed),
-                 reaped.dead_owners)
+        log.info("reclaimed %d triggers from %d dead consumer(s)%s", len(reaped.freed),
+                 reaped.dead_owners, "" if reaped.dead_owners else " (a batch; more follow)")
         await self._resend([TriggerRef(t.id, t.queue) for t in reaped.freed if not t.quarantined],
                            "dead_owner")
-        return len(reaped.freed)
 
     async def resend_unclaimed(self) -> int:
         refs = await self.store.resend_unclaimed(

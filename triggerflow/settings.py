@@ -92,6 +92,8 @@ class Settings(BaseSettings):
     reclaim_rate: int = Field(
         20_000, ge=1, description="Max triggers a reaper re-sends per second (reclaim storms)."
     )
+    reap_batch: int = Field(
+        20_000, ge=1, description="Max triggers of dead consumers one reaper statement frees.")
     probation_seconds: Duration = Field(
         seconds(1.0), gt=ZERO, description="How long a suspect group must run before it is cleared."
     )

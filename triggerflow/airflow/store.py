@@ -223,7 +223,8 @@ class AirflowStore:
 
     # -- reaper ----------------------------------------------------------------------------
 
-    async def reap_dead(self, queues: Sequence[str] | None, max_failures: int) -> Reaped:
+    async def reap_dead(self, queues: Sequence[str] | None, max_failures: int,
+                        limit: int | None = None) -> Reaped:  # one statement frees them all
         rows = await self._fetch(sql.REAP_DEAD, *_scope(queues), max_failures,
                                  self.default_queue)
         freed = [FreedTrigger(r["id"], r["queue"], r["classpath"], r["failures"],

@@ -89,7 +89,7 @@ QUICK = Sizes(
     steady_rate=100, steady_seconds=2.0, waiting=500, idle_window=2.0, dbload_burst=200,
     dbload_steady_seconds=1.0, writer_events=1_000, defer_single=50, defer_batched=1_000,
     defer_batch=100, defer_procs=8, defer_seconds=1.0, failover=200, failover_repeats=1,
-    failover_timeout=60.0, million=20_000, million_periodic=(1_000, 5_000), million_window=2.0,
+    failover_timeout=60.0, million=20_000, million_periodic=(2_000,), million_window=2.0,
     quiet_wait=0.0, settle=1.0, lead=1.0, worker_stagger=0.15,
     baseline_each=False,
 )

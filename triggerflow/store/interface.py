@@ -234,8 +234,10 @@ class Store(Protocol):
 
     # -- reaper (``queues`` None: every queue) --------------------------------------------
 
-    async def reap_dead(self, queues: Sequence[str] | None, max_failures: int) -> Reaped:
-        """Free the triggers of expired owners, blaming and quarantining as probation says."""
+    async def reap_dead(self, queues: Sequence[str] | None, max_failures: int,
+                        limit: int | None = None) -> Reaped:
+        """Free the triggers of expired owners, blaming and quarantining as probation says;
+        at most ``limit`` a call where the store batches (fewer freed: none are left)."""
         ...
 
     async def resend_unclaimed(self, queues: Sequence[str] | None, grace: float,

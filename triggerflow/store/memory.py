@@ -319,7 +319,8 @@ class MemoryStore:
 
     # -- reaper ----------------------------------------------------------------------------
 
-    async def reap_dead(self, queues: Sequence[str] | None, max_failures: int) -> Reaped:
+    async def reap_dead(self, queues: Sequence[str] | None, max_failures: int,
+                        limit: int | None = None) -> Reaped:  # all at once: no batches here
         now = self.clock()
         dead = {pid: p for pid, p in self.processes.items() if p.expires_at < now
                 and (queues is None or set(p.queues) & set(queues))}

@@ -322,6 +322,11 @@ SELECT kind, queue, latency FROM moved
 # Consumers whose lease expired: free their triggers for re-sending. An ungraceful loss
 # counts against the triggers to blame (those on probation if any, else all); a trigger
 # blamed alone, or too often, is quarantined and its task failed naming the class.
+# At most $4 triggers a statement: a consumer that held a million is freed in batches, each
+# re-sent (or claimed by the reaping consumer) while the next is freed, instead of one
+# statement rewriting a million rows before anyone may claim the first. The dead row stays
+# (locked by each batch, so two reapers never free the same triggers) until a batch frees
+# its last trigger.
 REAP_DEAD = """
 WITH dead AS (
     -- witnessed: another process kept one row valid across this one's expiry with a lease
@@ -341,6 +346,7 @@ WITH dead AS (
            d.witnessed AND (cardinality(d.probation) = 0 OR t.id = ANY(d.probation)) AS blame,
            d.probation = ARRAY[t.id] AS alone
     FROM trigger t JOIN dead d ON t.owner_id = d.id
+    LIMIT $4
 ), freed AS (
     UPDATE trigger t SET owner_id = NULL, dispatched_at = now(),
         failures = t.failures + b.blame::int,
@@ -361,7 +367,10 @@ WITH dead AS (
         trigger_timeout = NULL, updated_at = clock_timestamp()
     FROM freed f WHERE f.quarantined AND ti.trigger_id = f.id AND ti.state = 'deferred'
 ), gone AS (
-    DELETE FROM consumer WHERE id IN (SELECT id FROM dead) RETURNING id
+    -- a batch short of the limit freed everything the dead held
+    DELETE FROM consumer WHERE id IN (SELECT id FROM dead)
+      AND (SELECT count(*) FROM blamed) < $4
+    RETURNING id
 )
 SELECT id, queue, classpath, failures, quarantined, (SELECT count(*) FROM gone) AS dead
 FROM freed

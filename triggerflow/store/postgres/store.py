@@ -239,8 +239,10 @@ class PostgresStore:
 
     # -- reaper ----------------------------------------------------------------------------
 
-    async def reap_dead(self, queues: Sequence[str] | None, max_failures: int) -> Reaped:
-        rows = await self._fetch(sql.REAP_DEAD, *_scope(queues), max_failures)
+    async def reap_dead(self, queues: Sequence[str] | None, max_failures: int,
+                        limit: int | None = None) -> Reaped:
+        rows = await self._fetch(sql.REAP_DEAD, *_scope(queues), max_failures,
+                                 limit or 2**31 - 1)
         freed = [FreedTrigger(r["id"], r["queue"], r["classpath"], r["failures"],
                               r["quarantined"]) for r in rows]
         return Reaped(freed, rows[0]["dead"] if rows else 0)
