@@ -16,6 +16,7 @@ from collections import defaultdict
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
+from triggerflow.consumer.freezer import Freezer
 from triggerflow.consumer.observe import ConsumerObserver
 from triggerflow.consumer.outcomes import EncodeFn, Outcomes
 from triggerflow.consumer.probation import Probation
@@ -88,6 +89,7 @@ class Consumer:
             store, lambda: self.me, self.runner.running.__contains__, self._republish,
             settings.reconcile_after.total_seconds())
         self.observer = ConsumerObserver(self)
+        self.freezer = Freezer()  # a million held must not slow every full GC pass
 
     @property
     def me(self) -> int:
@@ -299,6 +301,7 @@ class Consumer:
             self._start(spec)  # never raises: one bad trigger must not strand the rest
             if i % 500 == 499:
                 await asyncio.sleep(0)
+        self.freezer.started(len(found.claimed))
         self._update_flow()
 
     def _fit_to_room(self, batch: list[Wakeup]) -> tuple[list[int], dict[str, list[int]]]:

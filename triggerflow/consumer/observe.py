@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import logging
-from collections import defaultdict
+from collections import Counter
+from operator import attrgetter
 from typing import TYPE_CHECKING, Any
 
 from triggerflow import telemetry
@@ -49,9 +50,9 @@ class ConsumerObserver:
         c = self.consumer
 
         def running() -> list[tuple[float, dict[str, Any]]]:
-            counts: dict[str, int] = defaultdict(int)
-            for held in list(c.runner.running.values()):
-                counts[held.queue] += 1
+            if len(c.queues) == 1:  # no walk over a million held per scrape
+                return [(float(len(c.runner)), {"queue": c.queues[0]})]
+            counts = Counter(map(attrgetter("queue"), list(c.runner.running.values())))
             return [(float(counts.get(q, 0)), {"queue": q}) for q in c.queues]
 
         self.metrics.gauge(telemetry.RUNNING, "Triggers running, per queue", running)
