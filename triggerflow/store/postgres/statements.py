@@ -342,10 +342,13 @@ WITH dead AS (
     WHERE d.expires_at < now() AND (d.queues && $1::text[] OR $2)
     FOR UPDATE OF d SKIP LOCKED
 ), blamed AS (
+    -- each dead owner's triggers by trigger_owner (a lateral lookup: a join let the planner
+    -- hash all of trigger, a million rows each batch)
     SELECT t.id, t.owner_id,
            d.witnessed AND (cardinality(d.probation) = 0 OR t.id = ANY(d.probation)) AS blame,
            d.probation = ARRAY[t.id] AS alone
-    FROM trigger t JOIN dead d ON t.owner_id = d.id
+    FROM dead d CROSS JOIN LATERAL (
+        SELECT t.id, t.owner_id FROM trigger t WHERE t.owner_id = d.id LIMIT $4) t
     LIMIT $4
 ), freed AS (
     UPDATE trigger t SET owner_id = NULL, dispatched_at = now(),
@@ -355,7 +358,8 @@ WITH dead AS (
             THEN format('consumer %s died while running it (%s ungraceful losses)',
                         b.owner_id, t.failures + 1)
             ELSE t.last_error END
-    FROM blamed b WHERE t.id = b.id
+    -- by trigger_pkey: "= ANY" of the batch's ids, not a hash of the whole table
+    FROM blamed b WHERE t.id = b.id AND t.id = ANY(ARRAY(SELECT id FROM blamed))
     RETURNING t.id, t.queue, t.classpath, t.failures, t.quarantined_at IS NOT NULL AS quarantined
 ), failed AS (
     UPDATE task_instance ti SET state = 'scheduled', next_method = '__fail__',
@@ -366,6 +370,7 @@ WITH dead AS (
             'deferred_next_method', ti.next_method, 'deferred_next_kwargs', ti.next_kwargs),
         trigger_timeout = NULL, updated_at = clock_timestamp()
     FROM freed f WHERE f.quarantined AND ti.trigger_id = f.id AND ti.state = 'deferred'
+      AND ti.trigger_id = ANY(ARRAY(SELECT id FROM freed WHERE quarantined))
 ), gone AS (
     -- a batch short of the limit freed everything the dead held
     DELETE FROM consumer WHERE id IN (SELECT id FROM dead)
@@ -395,10 +400,19 @@ RETURNING t.id, t.queue
 # Deferred tasks past their timeout (or, without one, the maximum deferral with their trigger
 # on no live consumer): fail them the Airflow way and drop the trigger. Nothing lost between
 # the consumer, the broker and the writer can keep a task deferred past this.
+# Each half is found by its own partial index (ti_deferred_timeout, ti_deferred_untimed):
+# one OR over both let the planner walk every deferred task in id order, each reaper pass.
 TIMEOUT_ORPHANS = """
 WITH due AS (
     SELECT ti.id, ti.trigger_id FROM task_instance ti
-    WHERE ti.state = 'deferred'
+    WHERE ti.id IN (
+        SELECT id FROM task_instance
+        WHERE state = 'deferred' AND trigger_timeout < now() - interval '2 seconds'
+        UNION ALL
+        SELECT id FROM task_instance
+        WHERE state = 'deferred' AND trigger_timeout IS NULL
+          AND updated_at < now() - make_interval(secs => $3))
+      AND ti.state = 'deferred'
       -- past its timeout it is due whoever owns it: a live owner that still runs the
       -- trigger times it out itself at trigger_timeout, so one that has not is not running it
       AND (ti.trigger_timeout < now() - interval '2 seconds'
@@ -415,7 +429,7 @@ WITH due AS (
         next_kwargs = jsonb_build_object('error', 'Trigger timeout',
                                          'message', 'deferral timed out with no trigger running'),
         trigger_id = NULL, trigger_timeout = NULL, updated_at = clock_timestamp()
-    FROM due WHERE ti.id = due.id
+    FROM due WHERE ti.id = due.id AND ti.id = ANY(ARRAY(SELECT id FROM due))
     RETURNING due.trigger_id
 )
 DELETE FROM trigger WHERE id IN (SELECT trigger_id FROM failed) RETURNING id
