@@ -173,9 +173,14 @@ async def _worker(run_id: str, queue: str, lead: float, rate: float) -> dict[str
             publishes.add(task)
             task.add_done_callback(publishes.discard)
 
+    # Spread instants (a steady rate) linger as the consumer's events do (event_linger), so
+    # the reference's messages and statements are as few as the real path's; a burst's
+    # timers all fire in one loop pass and need no linger.
+    linger = settings.event_linger.total_seconds() if rate else 0.0
+
     def fire(trigger_id: int) -> None:
-        if not pending:
-            loop.call_soon(flush)  # every timer due in this loop pass joins the same flush
+        if not pending:  # every timer due meanwhile joins the same flush
+            loop.call_later(linger, flush)
         pending.append((trigger_id, time.time()))
 
     # Warm up as a long-running writer is: statements prepared and catalogs cached on both
