@@ -108,8 +108,12 @@ class Reaper:
                     t.id, t.classpath, t.failures,
                     extra={"trigger_id": t.id, "queue": t.queue, "trigger_class": t.classpath},
                 )
-        log.info("reclaimed %d triggers from %d dead consumer(s)%s", len(reaped.freed),
-                 reaped.dead_owners, "" if reaped.dead_owners else " (a batch; more follow)")
+        if reaped.dead_owners:
+            log.info("reclaimed %d triggers from %d dead consumer(s)", len(reaped.freed),
+                     reaped.dead_owners)
+        else:  # the dead row stays until its last batch
+            log.info("reclaimed %d triggers of dead consumers (a batch; more follow)",
+                     len(reaped.freed))
         await self._resend([TriggerRef(t.id, t.queue) for t in reaped.freed if not t.quarantined],
                            "dead_owner")
 
