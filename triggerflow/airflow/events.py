@@ -178,8 +178,10 @@ def needs_airflow(events: Sequence[AirflowEvent], moved: set[int]) -> list[Airfl
 
 
 async def apply_events(conn: asyncpg.Connection, events: Sequence[AirflowEvent],
-                       default_queue: str | None = None) -> list[asyncpg.Record]:
-    """Apply a batch in one transaction (two statements); returns a row per task that moved
+                       default_queue: str | None = None, *,
+                       clean: bool = True) -> list[asyncpg.Record]:
+    """Apply a batch in one transaction (two statements; one without ``clean``, when the
+    caller runs ``CLEAN_UNUSED`` for these triggers later); returns a row per task that moved
     (``trigger_id``, ``queue``, ``kind``, ``latency`` seconds from fire to apply)."""
     if not events:
         return []
@@ -190,5 +192,6 @@ async def apply_events(conn: asyncpg.Connection, events: Sequence[AirflowEvent],
             [e.queue for e in events], [e.kind for e in events], [e.body for e in events],
             [e.fired_at for e in events], default_queue,
         )
-        await conn.execute(CLEAN_UNUSED, sorted({e.trigger_id for e in events}))
+        if clean:
+            await conn.execute(CLEAN_UNUSED, sorted({e.trigger_id for e in events}))
     return rows
