@@ -65,11 +65,12 @@ class AirflowEvent:
 APPLY = f"""
 WITH event AS (
     SELECT * FROM unnest($1::int[], $2::int[], $3::text[], $4::text[], $5::text[], $6::float8[])
-        AS e(trigger_id, attempt, queue, kind, body, fired_at)
-), live AS MATERIALIZED (
+        WITH ORDINALITY AS e(trigger_id, attempt, queue, kind, body, fired_at, i)
+), locked AS MATERIALIZED (
     -- fenced by attempt and by the trigger's own queue (rows with no queue belong to the
-    -- default queue $7); locked in id order so concurrent writers never deadlock
-    SELECT event.trigger_id, event.queue, event.kind, event.body::jsonb AS body, event.fired_at
+    -- default queue $7); locked in id order so concurrent writers never deadlock. Only
+    -- (position, id) are sorted: with the bodies, 10,000 rows spilled the sort to disk.
+    SELECT event.i, event.trigger_id
     FROM event
     JOIN {SCHEMA}.trigger_state s ON s.trigger_id = event.trigger_id AND s.attempt = event.attempt
     JOIN "trigger" t ON t.id = event.trigger_id AND coalesce(t.queue, $7) = event.queue
@@ -77,6 +78,9 @@ WITH event AS (
     WHERE event.kind IN ('resume', 'fail', 'success', 'failed', 'skipped')
     ORDER BY s.trigger_id
     FOR UPDATE OF s
+), live AS (
+    SELECT locked.trigger_id, event.queue, event.kind, event.body::jsonb AS body, event.fired_at
+    FROM locked JOIN event ON event.i = locked.i
 ), moved AS (
     UPDATE task_instance ti SET
         state = CASE WHEN live.kind IN ('resume', 'fail') THEN 'scheduled' ELSE live.kind END,

@@ -46,6 +46,7 @@ from triggerflow.store import (
     TriggerRef,
     TriggerSpec,
 )
+from triggerflow.store.postgres.pool import keep_session
 from triggerflow.wire import Event
 
 _DISCONNECTED: tuple[type[BaseException], ...] = (
@@ -82,8 +83,10 @@ class AirflowStore:
     @classmethod
     async def connect(cls, dsn: str, *, default_queue: str | None = None,
                       max_size: int = 4) -> AirflowStore:
+        # keep_session: without it asyncpg's reset query is four more statements after
+        # every call (measured: 5 statements/s per idle process instead of 1).
         pool = await asyncpg.create_pool(
-            dsn, min_size=1, max_size=max_size,
+            dsn, min_size=1, max_size=max_size, reset=keep_session,
             server_settings={"application_name": "triggerflow-airflow"})
         return cls(pool, dsn, default_queue)
 

@@ -26,6 +26,15 @@ from triggerflow.model import EventKind
 from triggerflow.triggers.base import TimerTrigger, TriggerEvent
 
 
+@functools.lru_cache(maxsize=1024)
+def _moment(deadline: float) -> Any:
+    """The moment Airflow's run() yields: convert_to_utc of the parsed or given datetime.
+
+    Cached: a burst shares one deadline, so its events share one immutable DateTime, which
+    ``codec`` then encodes once (building it was a third of a fired event's cost)."""
+    return timezone.convert_to_utc(pendulum.from_timestamp(deadline, tz="UTC"))
+
+
 class AirflowMoment(TimerTrigger):
     """``DateTimeTrigger(moment)``: resumes the task with the moment, as a UTC DateTime."""
 
@@ -36,12 +45,8 @@ class AirflowMoment(TimerTrigger):
         return self._deadline
 
     @staticmethod
-    @functools.lru_cache(maxsize=1024)
     def timer_payload(deadline: float) -> Any:
-        # The moment Airflow's run() yields: convert_to_utc of the parsed or given datetime.
-        # Cached: a burst shares one deadline, so its events share one immutable DateTime,
-        # which codec then encodes once (building it was a third of a fired event's cost).
-        return timezone.convert_to_utc(pendulum.from_timestamp(deadline, tz="UTC"))
+        return _moment(deadline)
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         return f"{type(self).__module__}.{type(self).__qualname__}", {"deadline": self._deadline}
