@@ -52,9 +52,10 @@ def table_airflow(rows: list[dict[str, Any]], native: dict[int, dict[str, Any]])
                   ms(r["p99"]), ms(r["all_applied"]), "", "", "", num(r["stmts_per_event"], 4),
                   "", "1.00x")
     t.caption = ("Latency = Airflow's scheduled_dttm - the instant (native mode: updated_at - "
-                 "the instant); the instant is 2.5 s + N/2,500 s after the task instances exist, "
-                 "deferral included (the native burst's rule). With several runs: the median "
-                 "run's percentiles, the median all-applied time. RSS = the process tree holding "
+                 "the instant); the instant is 2.5 s + N/2,500 s after the task instances exist "
+                 "(the native burst's rule), plus 1.5x the deferral time of Airflow's code. "
+                 "With several runs: the median run's percentiles, the median all-applied "
+                 "time. RSS = the process tree holding "
                  "the triggers (Airflow's triggerer; triggerflow's consumer). vs airflow = "
                  "Airflow's all-applied time / triggerflow's; vs native = triggerflow's (Airflow "
                  "mode) / native mode's, same N, this run. Statements from pg_stat_statements.")
