@@ -19,7 +19,10 @@ Fencing: only a task instance still ``deferred`` on that trigger moves, and only
 attempt triggerflow's bookkeeping says holds the trigger, so redelivered, duplicate or stale
 events change nothing. Afterwards ``CLEAN_UNUSED`` deletes the trigger rows nothing uses any
 more, as ``Trigger.clean_unused`` would (Airflow's triggerer runs that; without it nobody
-does). Dates are the database's ``now()``: one instant per batch.
+does). Dates are the database's: ``scheduled_dttm`` and ``updated_at`` the moment each row is
+written (``clock_timestamp()``, as Airflow stamps each event when it handles it, and as native
+mode stamps ``updated_at``: a burst's latency then ends when its row was written, not when its
+batch's transaction began); the task-end dates one instant per batch (``now()``).
 
 No Airflow import: the writer needs only PostgreSQL.
 """
@@ -90,7 +93,7 @@ WITH event AS (
                                || jsonb_build_object('event', live.body)
             WHEN 'fail' THEN live.body
             ELSE ti.next_kwargs END,
-        scheduled_dttm = CASE WHEN live.kind IN ('resume', 'fail') THEN now()
+        scheduled_dttm = CASE WHEN live.kind IN ('resume', 'fail') THEN clock_timestamp()
                               ELSE ti.scheduled_dttm END,
         start_date = CASE WHEN live.kind IN ('resume', 'fail') THEN ti.start_date
                           ELSE coalesce(ti.start_date, now()) END,
@@ -100,7 +103,7 @@ WITH event AS (
                         ELSE extract(epoch FROM coalesce(ti.end_date, now())
                                               - coalesce(ti.start_date, now()))::float8 END,
         trigger_id = NULL,
-        updated_at = now()
+        updated_at = clock_timestamp()
     FROM live
     -- coalesce(): keeps the planner off the ti_state index. Without statistics (a burst
     -- right after a mass deferral) it guesses one deferred row, scans that index as the
