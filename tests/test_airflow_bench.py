@@ -13,6 +13,8 @@ import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
+import pytest
+
 from triggerflow.bench.airflow import QUEUE, QUICK, seed_rows
 from triggerflow.bench.airflow_seed import DAG_ID, bench_dag
 from triggerflow.bench.airflow_stack import AirflowStack
@@ -65,10 +67,12 @@ def test_seeded_rows_equal_a_real_airflow_deferral(tmp_path: Path, pg_server: st
     assert stack.leftovers() == []
 
 
+@pytest.mark.timeout(540)  # two Airflow stacks (migrate, API server) and a native bench
 def test_bench_airflow_quick_serves_identical_rows_both_ways(
         tmp_path: Path, pg_server: str, amqp_server: str) -> None:
-    """``triggerflow bench airflow --quick``: 100 seeded rows served by Airflow's triggerer,
-    then the same rows on a fresh stack by triggerflow; both all applied, one table."""
+    """``triggerflow bench airflow --quick``: native mode's burst of 100, then 100 seeded rows
+    served by Airflow's triggerer, then the same rows on a fresh stack by triggerflow (and
+    what 100 waiting cost it); all applied, the tables printed."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRIGGERFLOW_")}
     env.update({"TRIGGERFLOW_DATABASE_URL": f"{pg_server}/unused", "TRIGGERFLOW_AMQP_URL": amqp_server,
                 "COLUMNS": "200"})
@@ -77,10 +81,16 @@ def test_bench_airflow_quick_serves_identical_rows_both_ways(
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     assert "airflow triggerer" in out and "triggerflow" in out, out[-4000:]  # the table
-    runs = json.loads(next((tmp_path / "bench-results").glob("bench-airflow-*-quick.json"))
-                      .read_text())["runs"]
+    raw = json.loads(next((tmp_path / "bench-results").glob("bench-airflow-*-quick.json"))
+                     .read_text())
+    runs = raw["runs"]
+    assert "Issue 9's targets" in out, out[-4000:]
+    assert raw["native"][str(QUICK_N)]["applied"] == QUICK_N  # native burst, same run
     assert [(r["served_by"], r["applied"]) for r in runs] == [
         ("airflow triggerer", QUICK_N), ("triggerflow", QUICK_N)], runs
     ours = runs[1]
     assert ours["held_at_instant"] == QUICK_N, ours  # claimed through NOTIFY before the instant
     assert 0 <= ours["latency"]["p50"] <= ours["all_applied_s"] < QUICK.limit, ours
+    waited = ours["waiting"]  # statements counted under each process's own role
+    assert waited["n"] == QUICK_N and set(waited["statements_per_s"]) == {"tf-writer", "tf-consume"}
+    assert all(rate > 0 for rate in waited["statements_per_s"].values()), waited  # renewals

@@ -7,6 +7,7 @@ Importing this module imports Airflow (``triggerflow[airflow]``).
 from __future__ import annotations
 
 import json
+from datetime import datetime
 from traceback import format_exception
 from typing import Any
 
@@ -35,6 +36,36 @@ def encode_event(event: TriggerEvent) -> tuple[str, str]:
 def resume_body(payload: Any) -> str:
     """The body of a resume whose payload is known without running the trigger (timers)."""
     return json.dumps(serialize(payload))
+
+
+class _OncePerObject:
+    """Wire values of heap-timer outcomes, encoded once per payload object.
+
+    ``timers`` hands every trigger of one deadline the same immutable ``DateTime`` (and an
+    ``end_from_trigger`` timer ``None``), so a burst of 10,000 is one serde call, not
+    10,000: the same object always encodes to the same text, byte for byte. Keyed by
+    identity and holding the object, so an id is never reused while its entry lives;
+    bounded, since deadlines keep coming.
+    """
+
+    LIMIT = 1024
+
+    def __init__(self) -> None:
+        self._values: dict[tuple[EventKind, int], tuple[Any, Any]] = {}
+
+    def value(self, kind: EventKind, payload: Any) -> Any:
+        key = (kind, id(payload))
+        hit = self._values.get(key)
+        if hit is not None and hit[0] is payload:
+            return hit[1]
+        value = json.loads(encode_outcome(kind, payload)[1])
+        if len(self._values) >= self.LIMIT:
+            self._values.clear()
+        self._values[key] = (payload, value)
+        return value
+
+
+_timer_values = _OncePerObject()
 
 
 def failure_body(exc: BaseException | list[str] | None) -> str:
@@ -86,5 +117,8 @@ def wire_outcome(kind: EventKind, payload: Any) -> tuple[EventKind, Any]:
     """
     if isinstance(payload, Encoded):
         return kind, payload.value
+    if (kind is EventKind.RESUME and isinstance(payload, datetime)) or (
+            kind is EventKind.SUCCESS and payload is None):
+        return kind, _timer_values.value(kind, payload)  # heap timers: immutable payloads
     encoded_kind, body = encode_outcome(kind, payload)
     return EventKind(encoded_kind), json.loads(body)

@@ -14,13 +14,41 @@ from __future__ import annotations
 from typing import Any
 
 from airflow._shared.module_loading import import_string
+from airflow.models.crypto import get_fernet
 from airflow.models.trigger import Trigger
 from airflow.serialization.decoders import smart_decode_trigger_kwargs
 
+# Airflow's timer triggers: their kwargs (a DateTime, a bool) are immutable once decoded,
+# so one decoded dict may serve every row with the same plaintext.
+TIMER_CLASSPATHS = frozenset({
+    "airflow.providers.standard.triggers.temporal.DateTimeTrigger",
+    "airflow.providers.standard.triggers.temporal.TimeDeltaTrigger",
+})
+_DECODED_LIMIT = 1024
+_decoded: dict[str, dict[str, Any]] = {}
 
-def decode_kwargs(encrypted_kwargs: str) -> dict[str, Any]:
-    """The keyword arguments Airflow's triggerer would pass to the trigger class."""
-    decoded = Trigger._decrypt_kwargs(encrypted_kwargs)
+
+def decode_kwargs(encrypted_kwargs: str, classpath: str | None = None) -> dict[str, Any]:
+    """The keyword arguments Airflow's triggerer would pass to the trigger class.
+
+    For ``TIMER_CLASSPATHS`` the decoded dict is shared by rows whose decrypted text is equal:
+    a burst of N sensors waiting for one instant is one serde decode, not N (decoding was
+    most of a claim's cost). Decryption is still per row, and the decode is Airflow's own
+    function on the plaintext (``_decrypt_kwargs`` reads unencrypted JSON as it is).
+    """
+    if classpath not in TIMER_CLASSPATHS or encrypted_kwargs.startswith("{"):
+        return _decode(Trigger._decrypt_kwargs(encrypted_kwargs))
+    plain = get_fernet().decrypt(encrypted_kwargs.encode("utf-8")).decode("utf-8")
+    kwargs = _decoded.get(plain)
+    if kwargs is None:
+        kwargs = _decode(Trigger._decrypt_kwargs(plain))
+        if len(_decoded) >= _DECODED_LIMIT:
+            _decoded.clear()
+        _decoded[plain] = kwargs
+    return kwargs
+
+
+def _decode(decoded: dict[str, Any]) -> dict[str, Any]:
     return {key: smart_decode_trigger_kwargs(value)  # type: ignore[no-untyped-call]
             for key, value in decoded.items()}
 

@@ -55,7 +55,7 @@ def run_bench(settings: Settings, scenarios: list[str], quick: bool) -> int:
     if scenarios == ["airflow"]:  # Airflow mode: a real Airflow stack, not the native harness
         from triggerflow.bench.airflow import run_airflow_bench
 
-        return run_airflow_bench(settings.database_dsn(), settings.amqp_dsn(), quick)
+        return run_airflow_bench(settings, quick)
     unknown = [s for s in scenarios if s not in SCENARIOS]
     console = Console(record=True, log_path=False,
                       width=None if sys.stdout.isatty() else 150)

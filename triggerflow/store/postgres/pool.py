@@ -22,7 +22,7 @@ DB_DISCONNECTED: tuple[type[BaseException], ...] = (
 )
 
 
-async def _keep_session(conn: asyncpg.Connection) -> None:
+async def keep_session(conn: asyncpg.Connection) -> None:
     """Release without asyncpg's reset query (``SELECT pg_advisory_unlock_all(); CLOSE ALL;
     UNLISTEN *; RESET ALL``): four statements and a round trip after every call. Nothing here
     leaves session state behind; asyncpg still rolls back a transaction left open."""
@@ -37,7 +37,7 @@ async def create_pool(dsn: str, *, max_size: int = 4, pgbouncer: bool = False) -
         statement_cache_size=0 if pgbouncer else 256,
         command_timeout=60,
         server_settings={"application_name": "triggerflow"},
-        reset=_keep_session,
+        reset=keep_session,
     )
 
 

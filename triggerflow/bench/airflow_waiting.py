@@ -1,0 +1,95 @@
+"""What N waiting Airflow triggers cost triggerflow's processes in ``triggerflow bench
+airflow``: statements per second per process and resident memory per waiting trigger.
+
+Statements are told apart by database role, as in native mode's ``periodic`` scenario
+(``pg_stat_statements`` has no pid): ``roles`` creates one login role per triggerflow process
+in the Airflow database (``tfaf_writer``, ``tfaf_consumer``) with what a deployment's user
+needs, and ``serve_with_triggerflow`` starts each process as its own role. ``waiting`` then
+seeds N rows an hour ahead (Airflow's code, as the bursts'), waits until the consumer holds
+them all, lets it settle, and counts each role's statements over a window; the consumer's
+RSS growth from before the rows divided by N is the memory per waiting trigger. It runs
+after the bursts, so one-time costs (importing Airflow's trigger modules, the Fernet key)
+are not counted per trigger; memory the bursts freed may be reused, as in any consumer that
+has been running. Afterwards the N tasks are marked ``skipped`` (as by hand in Airflow's UI)
+and the consumer's cancel sweep lets go of them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from triggerflow.bench.common import _with_user
+
+PROCESS_ROLES = {"tf-writer": "tfaf_writer", "tf-consume": "tfaf_consumer"}
+HELD_SQL = "SELECT count(*) FROM triggerflow.trigger_state WHERE owner_id IS NOT NULL"
+
+
+def roles(database_url: str) -> dict[str, str]:
+    """Create (idempotently) the processes' roles with a deployment's rights on this
+    database; returns process name -> database URL logging in as its role."""
+    import psycopg2  # type: ignore[import-untyped]
+
+    conn = psycopg2.connect(database_url)
+    conn.autocommit = True
+    try:
+        with conn.cursor() as cur:
+            for role in PROCESS_ROLES.values():
+                cur.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", (role,))
+                if cur.fetchone() is None:
+                    cur.execute(f"CREATE ROLE {role} LOGIN")
+                cur.execute(f"GRANT USAGE ON SCHEMA public, triggerflow TO {role}; "
+                            f"GRANT ALL ON ALL TABLES IN SCHEMA public, triggerflow TO {role}; "
+                            f"GRANT ALL ON ALL SEQUENCES IN SCHEMA public, triggerflow TO {role}")
+    finally:
+        conn.close()
+    return {name: _with_user(database_url, role) for name, role in PROCESS_ROLES.items()}
+
+
+def _per_role(db: Any) -> tuple[dict[str, int], list[dict[str, Any]]]:
+    """Calls per process, and per statement (role, calls, the statement's start)."""
+    rows = db.all(
+        "SELECT r.rolname, s.calls, left(regexp_replace(s.query, '\\s+', ' ', 'g'), 90) "
+        "FROM pg_stat_statements s "
+        "JOIN pg_roles r ON r.oid = s.userid JOIN pg_database d ON d.oid = s.dbid "
+        "WHERE d.datname = current_database() AND r.rolname = ANY(%s) AND s.calls > 0 "
+        "ORDER BY s.calls DESC", list(PROCESS_ROLES.values()))
+    calls = {name: sum(int(c) for r, c, _ in rows if r == role)
+             for name, role in PROCESS_ROLES.items()}
+    return calls, [{"role": r, "calls": int(c), "statement": q} for r, c, q in rows]
+
+
+def waiting(db: Any, n: int, window: float, seed: Callable[[int, float], dict[str, Any]],
+            rss: Callable[[], int], log: Callable[[str], None]) -> dict[str, Any]:
+    """Seed ``n`` rows an hour ahead; once held, statements/s per process over ``window``
+    seconds and RSS per waiting trigger. ``db`` is the bench's connection (``airflow._Db``),
+    ``seed(n, lead)`` seeds rows, ``rss()`` reads the consumer's resident memory."""
+    rss_before = rss()
+    seeded = seed(n, 3600.0)
+    deadline = time.monotonic() + 300
+    held = 0
+    while time.monotonic() < deadline:
+        held = int(db.one(HELD_SQL))
+        if held >= n:
+            break
+        time.sleep(0.5)
+    if held < n:
+        raise RuntimeError(f"the consumer held {held:,} of {n:,} waiting triggers after 300 s")
+    time.sleep(3.0)  # claims and their allocations are over
+    rss_held = rss()
+    db.one("ANALYZE")  # as autovacuum would have by now
+    db.one("SELECT pg_stat_statements_reset(0, (SELECT oid FROM pg_database "
+           "WHERE datname = current_database()), 0)")
+    started = time.monotonic()
+    time.sleep(window)
+    calls, by_statement = _per_role(db)
+    elapsed = time.monotonic() - started
+    log(f"airflow bench: {n:,} waiting: "
+        + ", ".join(f"{name} {c / elapsed:.2f} statements/s" for name, c in calls.items())
+        + f"; {(rss_held - rss_before) / n:.0f} B RSS per waiting trigger")
+    db.one("UPDATE task_instance SET state = 'skipped' WHERE run_id = %s", seeded["run_id"])
+    return {"n": n, "window_s": elapsed, "rss_before": rss_before, "rss_held": rss_held,
+            "bytes_per_waiting_trigger": (rss_held - rss_before) / n,
+            "statements_per_s": {name: c / elapsed for name, c in calls.items()},
+            "by_statement": by_statement}
