@@ -101,6 +101,28 @@ def dsn_of(database: str) -> str:
     return f"{_Server.get()}/{database}"
 
 
+async def scalar(dsn: str, sql: str, *args: object) -> Any:
+    conn = await asyncpg.connect(dsn)
+    try:
+        return await conn.fetchval(sql, *args)
+    finally:
+        await conn.close()
+
+
+async def prepare(dsn: str, *, set_up: bool = True) -> None:
+    """The DAG run tasks defer in, after ``triggerflow airflow setup`` unless ``set_up`` is
+    false (rows Airflow wrote before triggerflow was set up)."""
+    from triggerflow.airflow import setup as airflow_setup
+
+    if set_up:
+        await airflow_setup.setup(dsn)
+    conn = await asyncpg.connect(dsn)
+    try:
+        await add_dag_run(conn)
+    finally:
+        await conn.close()
+
+
 @dataclass
 class DeferredTask:
     task_id: str

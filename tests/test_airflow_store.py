@@ -12,13 +12,13 @@ import pendulum
 import pytest
 
 from tests.airflow_support import (
-    add_dag_run,
     add_deferred_task,
     airflow_db,
     airflow_template,
     dsn_of,
+    prepare,
+    scalar,
 )
-from triggerflow.airflow import setup as airflow_setup
 from triggerflow.airflow import wakeups
 from triggerflow.airflow.store import AirflowStore
 from triggerflow.store import KwargsProblem, ProcessKind
@@ -34,12 +34,7 @@ MOMENT = pendulum.datetime(2026, 11, 30, 12, tz="UTC")
 async def served(airflow_db: str) -> AsyncIterator[str]:
     """An Airflow database with triggerflow set up and one DAG run to defer tasks in."""
     dsn = dsn_of(airflow_db)
-    await airflow_setup.setup(dsn)
-    conn = await asyncpg.connect(dsn)
-    try:
-        await add_dag_run(conn)
-    finally:
-        await conn.close()
+    await prepare(dsn)
     yield dsn
 
 
@@ -50,14 +45,6 @@ async def defer(dsn: str, name: str, queue: str | None) -> int:
     try:
         kwargs = encrypt_kwargs({"moment": MOMENT, "end_from_trigger": False})
         return (await add_deferred_task(conn, name, DATETIME_TRIGGER, kwargs, queue=queue)).trigger_id
-    finally:
-        await conn.close()
-
-
-async def scalar(dsn: str, query: str, *args: object) -> object:
-    conn = await asyncpg.connect(dsn)
-    try:
-        return await conn.fetchval(query, *args)
     finally:
         await conn.close()
 
