@@ -20,6 +20,8 @@ from tests.airflow_support import (
     airflow_db,
     airflow_env,
     airflow_template,
+    copy_database,
+    drop_database,
     dsn_of,
 )
 from triggerflow.airflow import heartbeat, schema
@@ -138,42 +140,37 @@ def jobs_check(database: str, threshold: float = 30.0) -> subprocess.CompletedPr
                           capture_output=True, text=True, env=env, timeout=120)
 
 
-async def test_airflow_jobs_check_sees_the_heartbeat(airflow_db: str) -> None:
-    dsn = dsn_of(airflow_db)
-    assert jobs_check(airflow_db).returncode != 0  # no triggerer at all
-    pool = await asyncpg.create_pool(dsn, min_size=1, max_size=2)
+async def test_airflow_jobs_check_sees_the_heartbeat(airflow_template: str) -> None:
+    """Real ``airflow jobs check`` (each CLI start costs seconds of CPU here, so two, at once,
+    on two copies of the database): healthy while a writer beats; unhealthy when the only
+    rows are a writer that stopped and one killed outright (its row still 'running', its
+    heartbeat stale)."""
+    beating, gone = [await copy_database(airflow_template) for _ in range(2)]
+    pools = {n: await asyncpg.create_pool(dsn_of(n), min_size=1, max_size=2)
+             for n in (beating, gone)}
     try:
-        async with heartbeat.triggerer_job(pool, interval=0.5):
-            await asyncio.sleep(3.0)  # beats several times; a threshold of 2 s still holds
-            alive = await asyncio.to_thread(jobs_check, airflow_db, 2.0)
-            assert alive.returncode == 0, alive.stderr
-            assert "Found one alive job." in alive.stdout
-        stopped = await asyncio.to_thread(jobs_check, airflow_db)
-        assert stopped.returncode != 0
-        assert "No alive jobs found." in stopped.stderr + stopped.stdout
-
-        # A writer killed outright leaves its row 'running': the stale heartbeat is what
-        # tells Airflow the triggerer is gone.
-        async with pool.acquire() as conn:
-            job_id = await heartbeat.start_job(conn)
-
-        async def beat_forever() -> None:
-            while True:
-                async with pool.acquire() as conn:
-                    await heartbeat.beat(conn, job_id)
-                await asyncio.sleep(0.5)
-
-        beating = asyncio.create_task(beat_forever())
-        try:
-            assert (await asyncio.to_thread(jobs_check, airflow_db, 3.0)).returncode == 0
-        finally:
-            beating.cancel()  # killed: no stop_job
-        await asyncio.sleep(3.5)
-        async with pool.acquire() as conn:
-            assert await conn.fetchval("SELECT state FROM job WHERE id = $1", job_id) == "running"
-        assert (await asyncio.to_thread(jobs_check, airflow_db, 3.0)).returncode != 0
+        async with heartbeat.triggerer_job(pools[gone], interval=0.5):
+            pass  # started and stopped (state 'success', end_date set)
+        async with pools[gone].acquire() as conn:
+            killed = await heartbeat.start_job(conn)
+            assert await heartbeat.beat(conn, killed)  # then killed: no stop_job
+        await asyncio.sleep(3.5)  # stale for a threshold of 3 s
+        async with heartbeat.triggerer_job(pools[beating], interval=0.5):
+            await asyncio.sleep(1.5)  # beats several times; a threshold of 2 s still holds
+            alive, dead = await asyncio.gather(asyncio.to_thread(jobs_check, beating, 2.0),
+                                               asyncio.to_thread(jobs_check, gone, 3.0))
+        assert alive.returncode == 0, alive.stderr
+        assert "Found one alive job." in alive.stdout
+        async with pools[gone].acquire() as conn:
+            states = dict(await conn.fetch("SELECT id, state FROM job"))
+        assert states[killed] == "running" and sorted(states.values()) == ["running", "success"]
+        assert dead.returncode != 0
+        assert "No alive jobs found." in dead.stderr + dead.stdout
     finally:
-        await pool.close()
+        for pool in pools.values():
+            await pool.close()
+        for name in (beating, gone):
+            await drop_database(name)
 
 
 if __name__ == "__main__":
