@@ -21,14 +21,8 @@ import asyncpg
 import pendulum
 import pytest
 
-from tests.airflow_support import (
-    add_deferred_task,
-    airflow_db,
-    airflow_template,
-    dsn_of,
-    prepare,
-    scalar,
-)
+from tests import airflow_support as af
+from tests.airflow_support import airflow_db, airflow_template
 from tests.conftest import FAST, Processes, SuiteServices, delete_topology, wait_until
 from triggerflow.settings import Settings
 from triggerflow.transport.rabbitmq import RabbitTransport, Topology
@@ -46,7 +40,7 @@ class Served:
     procs: Processes
 
     async def scalar(self, sql: str, *args: object) -> object:
-        return await scalar(self.dsn, sql, *args)
+        return await af.scalar(self.dsn, sql, *args)
 
     async def defer(self, n: int, first_in: float, spread: float = 0.0, prefix: str = "t") -> None:
         """``n`` task instances deferred on Airflow ``DateTimeTrigger`` rows, as the API server
@@ -61,7 +55,7 @@ class Served:
                 for i in range(n):
                     moment = now.add(seconds=first_in + spread * i / max(n, 1))
                     kwargs = encrypt_kwargs({"moment": moment, "end_from_trigger": False})
-                    await add_deferred_task(conn, f"{prefix}{i}", DATETIME_TRIGGER, kwargs,
+                    await af.add_deferred_task(conn, f"{prefix}{i}", DATETIME_TRIGGER, kwargs,
                                             queue=self.queue)
         finally:
             await conn.close()
@@ -104,8 +98,8 @@ class Served:
 async def served(airflow_db: str, services: SuiteServices, tmp_path: Path) -> AsyncIterator[Served]:
     """Airflow's database set up for triggerflow, one team queue declared, and the processes
     of ``triggerflow consume/writer --airflow`` (killed at teardown)."""
-    dsn = dsn_of(airflow_db)
-    await prepare(dsn)
+    dsn = af.dsn_of(airflow_db)
+    await af.prepare(dsn)
     namespace = f"tfaf{uuid.uuid4().hex[:10]}"
     queue = f"{namespace}-team"
     settings = Settings(database_url=dsn, amqp_url=services.amqp, namespace=namespace,

@@ -30,16 +30,8 @@ import asyncpg
 import pendulum
 import pytest
 
-from tests.airflow_support import (
-    BIN,
-    add_deferred_task,
-    airflow_db,
-    airflow_env,
-    airflow_template,
-    dsn_of,
-    prepare,
-    scalar,
-)
+from tests import airflow_support as af
+from tests.airflow_support import airflow_db, airflow_template
 from tests.conftest import FAST, Processes, SuiteServices, delete_topology, settings_env, wait_until
 from triggerflow.settings import Settings
 from triggerflow.transport.rabbitmq import Topology
@@ -128,10 +120,10 @@ class Deployment:
         """``airflow triggerer [--queues ...]`` with ``[triggerer] queues_enabled = True``."""
         name = ",".join(queues) if queues else "no-queue"
         env = {k: v for k, v in os.environ.items() if not k.startswith("TRIGGERFLOW_")}
-        env.update(airflow_env(self.database))
+        env.update(af.airflow_env(self.database))
         env.update({"AIRFLOW__TRIGGERER__QUEUES_ENABLED": "True",
                     "AIRFLOW__LOGGING__BASE_LOG_FOLDER": str(self.logs / "airflow-logs")})
-        argv = [str(BIN / "airflow"), "triggerer", "--skip-serve-logs"]
+        argv = [str(af.BIN / "airflow"), "triggerer", "--skip-serve-logs"]
         if queues:
             argv += ["--queues", ",".join(queues)]
         with (self.logs / f"airflow-triggerer-{name}.log").open("ab") as log:
@@ -155,7 +147,7 @@ class Deployment:
         conn = await asyncpg.connect(self.dsn)
         try:
             async with conn.transaction():
-                return [(await add_deferred_task(conn, f"{prefix}{i}", DATETIME_TRIGGER, kwargs,
+                return [(await af.add_deferred_task(conn, f"{prefix}{i}", DATETIME_TRIGGER, kwargs,
                                                  queue=queue)).trigger_id for i in range(n)]
         finally:
             await conn.close()
@@ -181,16 +173,16 @@ class Deployment:
         triggerers and triggerflow's writer) are up, so that a task's wait starts once its
         triggerer runs (starting one takes seconds on this machine)."""
         async def up() -> bool:
-            tf = await scalar(self.dsn, "SELECT count(*) FROM triggerflow.consumer "
+            tf = await af.scalar(self.dsn, "SELECT count(*) FROM triggerflow.consumer "
                               "WHERE kind = 'consumer' AND expires_at > now()") if consumers else 0
-            jobs = await scalar(self.dsn, "SELECT count(*) FROM job WHERE job_type = "
+            jobs = await af.scalar(self.dsn, "SELECT count(*) FROM job WHERE job_type = "
                                 "'TriggererJob' AND state = 'running'")
             return bool(tf >= consumers and jobs >= triggerer_jobs)
 
         await wait_until(up, HANDOVER, interval=0.25, message="triggerers started")
 
     async def still_deferred(self, prefix: str) -> int:
-        return int(await scalar(self.dsn, "SELECT count(*) FROM task_instance "
+        return int(await af.scalar(self.dsn, "SELECT count(*) FROM task_instance "
                                 "WHERE task_id LIKE $1 || '%' AND state = 'deferred'", prefix))
 
     async def watch(self, stop: asyncio.Event) -> None:
@@ -224,7 +216,7 @@ def fired_by_airflow(logs: Path) -> dict[int, list[int]]:
 async def deployment(airflow_db: str, services: SuiteServices,
                      tmp_path: Path) -> AsyncIterator[Deployment]:
     namespace = f"tfmig{uuid.uuid4().hex[:10]}"
-    dsn = dsn_of(airflow_db)
+    dsn = af.dsn_of(airflow_db)
     settings = Settings(database_url=dsn, amqp_url=services.amqp,
                         management_url=services.management, namespace=namespace,
                         allowed_modules=["airflow.providers.standard.triggers"], airflow=True,
@@ -257,7 +249,7 @@ async def test_both_at_once_each_queue_is_served_by_its_own_triggerer(
     triggerer its queue names, never by both."""
     d = deployment
     airflow_q, tf_q = d.queue("airflow"), d.queue("tf")
-    await prepare(d.dsn)
+    await af.prepare(d.dsn)
     d.triggerflow("topology", "apply", "--queue", tf_q)
     writer = d.procs.start("writer", "--queue", tf_q)
     consumer = d.procs.consume(tf_q)
@@ -292,7 +284,7 @@ async def test_back_to_airflow_triggerer_resumes_what_triggerflow_held(
     deferred, and none that triggerflow already resumed."""
     d = deployment
     q = d.queue("back")
-    await prepare(d.dsn)
+    await af.prepare(d.dsn)
     d.triggerflow("topology", "apply", "--queue", q)
     writer = d.procs.writer()
     consumer = d.procs.consume(q)
@@ -307,11 +299,11 @@ async def test_back_to_airflow_triggerer_resumes_what_triggerflow_held(
     await d.procs.supervisor.stop_async(writer)
     assert (consumer.returncode, writer.returncode) == (0, 0)
     # Handed back: no owner left (the consumer let go as it stopped), all still deferred.
-    assert await scalar(d.dsn, "SELECT count(*) FROM triggerflow.trigger_state "
+    assert await af.scalar(d.dsn, "SELECT count(*) FROM triggerflow.trigger_state "
                         "WHERE owner_id IS NOT NULL") == 0
     assert await d.still_deferred("late") == 3
     d.triggerflow("airflow", "teardown", "--database-url", d.dsn)
-    assert await scalar(d.dsn, "SELECT to_regclass('triggerflow.trigger_state')") is None
+    assert await af.scalar(d.dsn, "SELECT to_regclass('triggerflow.trigger_state')") is None
 
     airflow = d.start_airflow_triggerer([q])
     await wait_until(lambda: d.all_resumed("late", 3), HANDOVER, interval=0.25,
@@ -332,7 +324,7 @@ async def test_to_triggerflow_picks_up_what_airflow_triggerer_held(
     task still deferred resumes once."""
     d = deployment
     q = d.queue("to")
-    await prepare(d.dsn, set_up=False)
+    await af.prepare(d.dsn, set_up=False)
     airflow = d.start_airflow_triggerer([q])
     await d.started(triggerer_jobs=1)
     early = await d.defer("early", 2, q, 2.0)
