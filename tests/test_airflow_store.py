@@ -255,7 +255,8 @@ async def test_listener_reconnects_and_the_backstop_finds_what_it_missed(served:
         await asyncio.wait_for(connections.get(), 5)
         killed = await af.scalar(
             served, "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
-                    "WHERE application_name = 'triggerflow-airflow-listen'")
+                    "WHERE application_name = 'triggerflow-airflow-listen' "
+                    "AND datname = current_database()")
         assert killed == 1
         missed = await defer(served, "while_away", "team-a")  # no listener right now
         await asyncio.wait_for(connections.get(), 10)  # reconnected
