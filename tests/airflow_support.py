@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import json
 import os
 import shutil
@@ -28,6 +29,7 @@ import asyncpg
 import pytest
 
 from tests.conftest import admin_sql, drop_database_sql
+from triggerflow.bench.airflow_stack import AirflowStack
 
 AIRFLOW_TEMPLATE = f"tf_airflow_template_{os.getpid()}"
 # A fixed test key: rows encrypted by Airflow's code in a test decrypt with the same key.
@@ -79,6 +81,20 @@ def airflow_template(pg_server: str) -> Iterator[str]:
     asyncio.run(admin_sql(pg_server, drop_database_sql(AIRFLOW_TEMPLATE)))
 
 
+@contextlib.contextmanager
+def stack_database(stack: AirflowStack, template: str) -> Iterator[None]:
+    """The stack's metadata database as a copy of the session's migrated template: what the
+    stack's own ``airflow db migrate`` makes (same Airflow, same command), in a second instead
+    of tens of seconds. Dropped afterwards; call ``stack.start()`` inside."""
+    asyncio.run(admin_sql(stack.server_url,
+                          f'CREATE DATABASE "{stack.database}" TEMPLATE "{template}"'))
+    try:
+        yield
+    finally:
+        stack.stop(keep_home=bool(os.environ.get("TRIGGERFLOW_TEST_KEEP_AIRFLOW_HOME")))
+        asyncio.run(admin_sql(stack.server_url, drop_database_sql(stack.database)))
+
+
 async def copy_database(source: str) -> str:
     name = f"tf_af_{uuid.uuid4().hex[:12]}"
     await admin_sql(_Server.get(), f'CREATE DATABASE "{name}" TEMPLATE "{source}"')
@@ -99,6 +115,28 @@ async def airflow_db(airflow_template: str) -> AsyncIterator[str]:
 
 def dsn_of(database: str) -> str:
     return f"{_Server.get()}/{database}"
+
+
+async def scalar(dsn: str, sql: str, *args: object) -> Any:
+    conn = await asyncpg.connect(dsn)
+    try:
+        return await conn.fetchval(sql, *args)
+    finally:
+        await conn.close()
+
+
+async def prepare(dsn: str, *, set_up: bool = True) -> None:
+    """The DAG run tasks defer in, after ``triggerflow airflow setup`` unless ``set_up`` is
+    false (rows Airflow wrote before triggerflow was set up)."""
+    from triggerflow.airflow import setup as airflow_setup
+
+    if set_up:
+        await airflow_setup.setup(dsn)
+    conn = await asyncpg.connect(dsn)
+    try:
+        await add_dag_run(conn)
+    finally:
+        await conn.close()
 
 
 @dataclass

@@ -163,11 +163,15 @@ async def topology(settings: Settings, teams: list[str]) -> AsyncIterator[Topolo
     await broker.declare(teams)
     await broker.close()
     yield topo
-    # Clean up everything this namespace declared. A failed delete closes its channel, so
-    # each gets a channel of its own.
-    conn = await aio_pika.connect(settings.amqp_dsn())
+    await delete_topology(settings.amqp_dsn(), topo, teams)
+
+
+async def delete_topology(amqp_dsn: str, topo: Topology, queues: list[str]) -> None:
+    """Delete everything a test's namespace declared: its team queues, shared queues and
+    exchanges. A failed delete closes its channel, so each gets a channel of its own."""
+    conn = await aio_pika.connect(amqp_dsn)
     try:
-        deletions = [("queue_delete", q) for q in (*teams, topo.events_queue, topo.dead_queue)]
+        deletions = [("queue_delete", q) for q in (*queues, topo.events_queue, topo.dead_queue)]
         deletions += [("exchange_delete", x) for x in topo.exchanges()]
         for method, name in deletions:
             ch = await conn.channel()

@@ -9,6 +9,7 @@ triggerer`` at all, served by ``triggerflow writer --airflow`` and one ``trigger
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -20,8 +21,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.airflow_support import airflow_template, stack_database
 from tests.conftest import FAST, ROOT
 from triggerflow.bench.airflow_stack import AirflowStack
+
+__all__ = ["airflow_template"]
 
 DAGS = ROOT / "tests" / "airflow_dags"
 TEAMS = ("team-ml", "team-data-eng")
@@ -59,24 +63,35 @@ class Outcome:
     deferred: set[tuple[str, str, int]] = field(default_factory=set)
     trigger_queues: dict[tuple[str, str, int], str | None] = field(default_factory=dict)
     run_states: dict[str, str] = field(default_factory=dict)
+    run_ids: dict[str, str] = field(default_factory=dict)  # dag_id -> this test's run
     seconds: float = 0.0
 
 
-@pytest.fixture
-def airflow_stack(tmp_path: Path, pg_server: str) -> Iterator[AirflowStack]:
-    """A migrated, running Airflow stack with no triggerer; stopped and dropped afterwards."""
+@pytest.fixture(scope="module")
+def airflow_stack(pg_server: str, airflow_template: str) -> Iterator[AirflowStack]:
+    """A migrated, running Airflow stack with no triggerer, shared by this module's tests:
+    each triggers its own DAG runs and stops the triggerer processes it started. Stopped and
+    dropped afterwards (TRIGGERFLOW_TEST_KEEP_AIRFLOW_HOME=1 keeps its home for a
+    post-mortem)."""
     stack = AirflowStack(pg_server, DAGS, extra_env={
         "PYTHONPATH": str(ROOT),  # tests.airflow_triggers, for workers and triggerers alike
         "AIRFLOW_CONN_FS_DEFAULT": json.dumps({"conn_type": "fs", "extra": {"path": "/"}}),
     })
-    try:
-        stack.migrate()
+    with stack_database(stack, airflow_template):
         stack.start()
         yield stack
-    finally:
-        # TRIGGERFLOW_TEST_KEEP_AIRFLOW_HOME=1 keeps the home (logs, config) for a post-mortem.
-        stack.stop(keep_home=bool(os.environ.get("TRIGGERFLOW_TEST_KEEP_AIRFLOW_HOME")))
     assert stack.leftovers() == [], "Airflow processes outlived the stack"
+
+
+@contextlib.contextmanager
+def serving(stack: AirflowStack, names: list[str]) -> Iterator[None]:
+    """Stop the named processes (the triggerer side a test started) when the test ends, so
+    the next test on the shared stack starts with no triggerer."""
+    try:
+        yield
+    finally:
+        for name in names:
+            stack.stop_process(name)
 
 
 def run_e2e_dags(stack: AirflowStack, tmp_path: Path) -> Outcome:
@@ -88,7 +103,7 @@ def run_e2e_dags(stack: AirflowStack, tmp_path: Path) -> Outcome:
     t0 = time.monotonic()
     run_ids = {SUCCEEDS: stack.trigger_dag(SUCCEEDS, {"path": str(arrives)}),
                FAILS: stack.trigger_dag(FAILS)}
-    out = Outcome()
+    out = Outcome(run_ids=run_ids)
     file_waits_since: float | None = None
     conn = psycopg2.connect(stack.database_url)
     conn.autocommit = True
@@ -142,15 +157,17 @@ def assert_airflow_outcome(out: Outcome, stack: AirflowStack) -> None:
         assert queues == {team}, f"{team_task} trigger rows carried queues {queues}"
     # The raising trigger's traceback reached the worker through Airflow's __fail__ resume.
     logs = "\n".join(p.read_text(errors="replace") for p in (stack.home / "logs").rglob("*")
-                     if p.is_file() and "task_id=raising_trigger" in str(p))
+                     if p.is_file() and "task_id=raising_trigger" in str(p)
+                     and f"run_id={out.run_ids[FAILS]}" in str(p))
     assert "raised on purpose by raising_trigger" in logs, f"raising_trigger's log:\n{logs[-3000:]}"
 
 
 def test_airflow_dags_reach_airflows_states_with_airflow_triggerer(
         airflow_stack: AirflowStack, tmp_path: Path) -> None:
     """Baseline: Airflow's own triggerer serves all three queues."""
-    airflow_stack.start_triggerer(QUEUES)
-    out = run_e2e_dags(airflow_stack, tmp_path)
+    with serving(airflow_stack, ["triggerer"]):
+        airflow_stack.start_triggerer(QUEUES)
+        out = run_e2e_dags(airflow_stack, tmp_path)
     assert_airflow_outcome(out, airflow_stack)
 
 
@@ -171,11 +188,14 @@ def test_airflow_dags_reach_airflows_states_with_triggerflow(
                    env=env, check=True, timeout=120)
     queue_flags = [flag for q in QUEUES for flag in ("--queue", q)]
     subprocess.run([*tf, "topology", "apply", *queue_flags], env=env, check=True, timeout=120)
-    airflow_stack.spawn("tf-writer", [*tf, "writer", "--airflow"], env)
-    for queue in QUEUES:
-        airflow_stack.spawn(f"tf-consume-{queue}", [*tf, "consume", "--airflow", "--queue", queue],
-                            env)
-    # Airflow sees a healthy triggerer while triggerflow serves (the writer's heartbeat).
-    airflow_stack.wait_healthy(["triggerer"], 60)
-    out = run_e2e_dags(airflow_stack, tmp_path)
+    names = ["tf-writer", *(f"tf-consume-{queue}" for queue in QUEUES)]
+    with serving(airflow_stack, names):
+        airflow_stack.spawn("tf-writer", [*tf, "writer", "--airflow"], env)
+        for queue in QUEUES:
+            airflow_stack.spawn(f"tf-consume-{queue}",
+                                [*tf, "consume", "--airflow", "--queue", queue], env)
+        # Airflow sees a healthy triggerer while triggerflow serves (the writer's heartbeat;
+        # a triggerer stopped by an earlier test on this stack closed its job row).
+        airflow_stack.wait_healthy(["triggerer"], 60)
+        out = run_e2e_dags(airflow_stack, tmp_path)
     assert_airflow_outcome(out, airflow_stack)

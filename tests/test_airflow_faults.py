@@ -9,7 +9,6 @@ and no event applied twice (a second would find the task no longer deferred: the
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import signal
 import subprocess
 import time
@@ -18,14 +17,13 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import aio_pika
 import asyncpg
 import pendulum
 import pytest
 
-from tests.airflow_support import add_dag_run, add_deferred_task, airflow_db, airflow_template, dsn_of
-from tests.conftest import FAST, Processes, SuiteServices, wait_until
-from triggerflow.airflow import setup as airflow_setup
+from tests import airflow_support as af
+from tests.airflow_support import airflow_db, airflow_template
+from tests.conftest import FAST, Processes, SuiteServices, delete_topology, wait_until
 from triggerflow.settings import Settings
 from triggerflow.transport.rabbitmq import RabbitTransport, Topology
 
@@ -42,11 +40,7 @@ class Served:
     procs: Processes
 
     async def scalar(self, sql: str, *args: object) -> object:
-        conn = await asyncpg.connect(self.dsn)
-        try:
-            return await conn.fetchval(sql, *args)
-        finally:
-            await conn.close()
+        return await af.scalar(self.dsn, sql, *args)
 
     async def defer(self, n: int, first_in: float, spread: float = 0.0, prefix: str = "t") -> None:
         """``n`` task instances deferred on Airflow ``DateTimeTrigger`` rows, as the API server
@@ -61,7 +55,7 @@ class Served:
                 for i in range(n):
                     moment = now.add(seconds=first_in + spread * i / max(n, 1))
                     kwargs = encrypt_kwargs({"moment": moment, "end_from_trigger": False})
-                    await add_deferred_task(conn, f"{prefix}{i}", DATETIME_TRIGGER, kwargs,
+                    await af.add_deferred_task(conn, f"{prefix}{i}", DATETIME_TRIGGER, kwargs,
                                             queue=self.queue)
         finally:
             await conn.close()
@@ -104,13 +98,8 @@ class Served:
 async def served(airflow_db: str, services: SuiteServices, tmp_path: Path) -> AsyncIterator[Served]:
     """Airflow's database set up for triggerflow, one team queue declared, and the processes
     of ``triggerflow consume/writer --airflow`` (killed at teardown)."""
-    dsn = dsn_of(airflow_db)
-    await airflow_setup.setup(dsn)
-    conn = await asyncpg.connect(dsn)
-    try:
-        await add_dag_run(conn)
-    finally:
-        await conn.close()
+    dsn = af.dsn_of(airflow_db)
+    await af.prepare(dsn)
     namespace = f"tfaf{uuid.uuid4().hex[:10]}"
     queue = f"{namespace}-team"
     settings = Settings(database_url=dsn, amqp_url=services.amqp, namespace=namespace,
@@ -126,18 +115,8 @@ async def served(airflow_db: str, services: SuiteServices, tmp_path: Path) -> As
         yield Served(dsn, queue, procs)
     finally:
         procs.stop_all()
-        amqp = await aio_pika.connect(settings.amqp_dsn())
-        try:
-            for method, name in [("queue_delete", q) for q in (queue, topology.events_queue,
-                                                                 topology.dead_queue)] + [
-                    ("exchange_delete", x) for x in topology.exchanges()]:
-                ch = await amqp.channel()
-                with contextlib.suppress(Exception):
-                    await getattr(ch, method)(name)
-                if not ch.is_closed:
-                    await ch.close()
-        finally:
-            await amqp.close()
+        await delete_topology(settings.amqp_dsn(), topology, [queue])
+
 
 
 async def test_sigkill_of_a_consumer_holding_airflow_triggers_fails_over(served: Served) -> None:

@@ -13,15 +13,8 @@ import sys
 import asyncpg
 import pytest
 
-from tests.airflow_support import (
-    BIN,
-    add_dag_run,
-    add_deferred_task,
-    airflow_db,
-    airflow_env,
-    airflow_template,
-    dsn_of,
-)
+from tests import airflow_support as af
+from tests.airflow_support import airflow_db, airflow_template
 from triggerflow.airflow import heartbeat, schema
 from triggerflow.airflow import setup as airflow_setup
 from triggerflow.airflow.kwargs import encrypt_kwargs
@@ -42,7 +35,7 @@ JOIN pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = 'public' AND NOT
 
 
 def triggerflow_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([str(BIN / "triggerflow"), *args], capture_output=True, text=True,
+    return subprocess.run([str(af.BIN / "triggerflow"), *args], capture_output=True, text=True,
                           timeout=60)
 
 
@@ -61,7 +54,7 @@ def test_known_revision_is_airflow_3_3_head() -> None:
 
 
 async def test_setup_is_idempotent_and_teardown_leaves_airflow_as_it_was(airflow_db: str) -> None:
-    dsn = dsn_of(airflow_db)
+    dsn = af.dsn_of(airflow_db)
     before = await fetch(dsn, AIRFLOW_TABLES)
     for _ in range(2):
         done = triggerflow_cli("airflow", "setup", "--database-url", dsn)
@@ -83,7 +76,7 @@ async def test_setup_is_idempotent_and_teardown_leaves_airflow_as_it_was(airflow
 
 
 async def test_setup_refuses_an_unknown_airflow_schema(airflow_db: str) -> None:
-    dsn = dsn_of(airflow_db)
+    dsn = af.dsn_of(airflow_db)
     conn = await asyncpg.connect(dsn)
     try:
         await conn.execute("UPDATE alembic_version SET version_num = 'ffffffffffff'")
@@ -101,16 +94,16 @@ async def test_setup_refuses_a_database_without_airflow(dsn: str) -> None:
 
 
 async def test_new_trigger_rows_notify_with_their_ids_and_queue(airflow_db: str) -> None:
-    dsn = dsn_of(airflow_db)
+    dsn = af.dsn_of(airflow_db)
     await airflow_setup.setup(dsn)
     received: asyncio.Queue[str] = asyncio.Queue()
     listener = await asyncpg.connect(dsn)
     await listener.add_listener(schema.NOTIFY_CHANNEL, lambda *args: received.put_nowait(args[3]))
     writer = await asyncpg.connect(dsn)
     try:
-        await add_dag_run(writer)
+        await af.add_dag_run(writer)
         kwargs = encrypt_kwargs({"x": 1})
-        one = await add_deferred_task(writer, "one", "m.T", kwargs, queue="team-a")
+        one = await af.add_deferred_task(writer, "one", "m.T", kwargs, queue="team-a")
         message = json.loads(await asyncio.wait_for(received.get(), 5))
         assert message == {"queue": "team-a", "ids": [one.trigger_id]}
         # A bulk insert: one notification per queue and 500 ids, not one per row.
@@ -132,48 +125,43 @@ async def test_new_trigger_rows_notify_with_their_ids_and_queue(airflow_db: str)
 
 
 def jobs_check(database: str, threshold: float = 30.0) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, **airflow_env(database),
+    env = {**os.environ, **af.airflow_env(database),
            "AIRFLOW__TRIGGERER__TRIGGERER_HEALTH_CHECK_THRESHOLD": str(threshold)}
-    return subprocess.run([str(BIN / "airflow"), "jobs", "check", "--job-type", "TriggererJob"],
+    return subprocess.run([str(af.BIN / "airflow"), "jobs", "check", "--job-type", "TriggererJob"],
                           capture_output=True, text=True, env=env, timeout=120)
 
 
-async def test_airflow_jobs_check_sees_the_heartbeat(airflow_db: str) -> None:
-    dsn = dsn_of(airflow_db)
-    assert jobs_check(airflow_db).returncode != 0  # no triggerer at all
-    pool = await asyncpg.create_pool(dsn, min_size=1, max_size=2)
+async def test_airflow_jobs_check_sees_the_heartbeat(airflow_template: str) -> None:
+    """Real ``airflow jobs check`` (each CLI start costs seconds of CPU here, so two, at once,
+    on two copies of the database): healthy while a writer beats; unhealthy when the only
+    rows are a writer that stopped and one killed outright (its row still 'running', its
+    heartbeat stale)."""
+    beating, gone = [await af.copy_database(airflow_template) for _ in range(2)]
+    pools = {n: await asyncpg.create_pool(af.dsn_of(n), min_size=1, max_size=2)
+             for n in (beating, gone)}
     try:
-        async with heartbeat.triggerer_job(pool, interval=0.5):
-            await asyncio.sleep(3.0)  # beats several times; a threshold of 2 s still holds
-            alive = await asyncio.to_thread(jobs_check, airflow_db, 2.0)
-            assert alive.returncode == 0, alive.stderr
-            assert "Found one alive job." in alive.stdout
-        stopped = await asyncio.to_thread(jobs_check, airflow_db)
-        assert stopped.returncode != 0
-        assert "No alive jobs found." in stopped.stderr + stopped.stdout
-
-        # A writer killed outright leaves its row 'running': the stale heartbeat is what
-        # tells Airflow the triggerer is gone.
-        async with pool.acquire() as conn:
-            job_id = await heartbeat.start_job(conn)
-
-        async def beat_forever() -> None:
-            while True:
-                async with pool.acquire() as conn:
-                    await heartbeat.beat(conn, job_id)
-                await asyncio.sleep(0.5)
-
-        beating = asyncio.create_task(beat_forever())
-        try:
-            assert (await asyncio.to_thread(jobs_check, airflow_db, 3.0)).returncode == 0
-        finally:
-            beating.cancel()  # killed: no stop_job
-        await asyncio.sleep(3.5)
-        async with pool.acquire() as conn:
-            assert await conn.fetchval("SELECT state FROM job WHERE id = $1", job_id) == "running"
-        assert (await asyncio.to_thread(jobs_check, airflow_db, 3.0)).returncode != 0
+        async with heartbeat.triggerer_job(pools[gone], interval=0.5):
+            pass  # started and stopped (state 'success', end_date set)
+        async with pools[gone].acquire() as conn:
+            killed = await heartbeat.start_job(conn)
+            assert await heartbeat.beat(conn, killed)  # then killed: no stop_job
+        await asyncio.sleep(3.5)  # stale for a threshold of 3 s
+        async with heartbeat.triggerer_job(pools[beating], interval=0.5):
+            await asyncio.sleep(1.5)  # beats several times; a threshold of 2 s still holds
+            alive, dead = await asyncio.gather(asyncio.to_thread(jobs_check, beating, 2.0),
+                                               asyncio.to_thread(jobs_check, gone, 3.0))
+        assert alive.returncode == 0, alive.stderr
+        assert "Found one alive job." in alive.stdout
+        async with pools[gone].acquire() as conn:
+            states = dict(await conn.fetch("SELECT id, state FROM job"))
+        assert states[killed] == "running" and sorted(states.values()) == ["running", "success"]
+        assert dead.returncode != 0
+        assert "No alive jobs found." in dead.stderr + dead.stdout
     finally:
-        await pool.close()
+        for pool in pools.values():
+            await pool.close()
+        for name in (beating, gone):
+            await af.drop_database(name)
 
 
 if __name__ == "__main__":

@@ -11,15 +11,9 @@ import asyncpg
 import pendulum
 import pytest
 
-from tests.airflow_support import (
-    add_dag_run,
-    add_deferred_task,
-    airflow_db,
-    airflow_template,
-    dsn_of,
-)
+from tests import airflow_support as af
+from tests.airflow_support import airflow_db, airflow_template
 from tests.conftest import wait_until
-from triggerflow.airflow import setup as airflow_setup
 from triggerflow.airflow import wakeups
 from triggerflow.airflow.store import AirflowStore
 from triggerflow.store import KwargsProblem, ProcessKind
@@ -34,13 +28,8 @@ MOMENT = pendulum.datetime(2026, 11, 30, 12, tz="UTC")
 @pytest.fixture
 async def served(airflow_db: str) -> AsyncIterator[str]:
     """An Airflow database with triggerflow set up and one DAG run to defer tasks in."""
-    dsn = dsn_of(airflow_db)
-    await airflow_setup.setup(dsn)
-    conn = await asyncpg.connect(dsn)
-    try:
-        await add_dag_run(conn)
-    finally:
-        await conn.close()
+    dsn = af.dsn_of(airflow_db)
+    await af.prepare(dsn)
     yield dsn
 
 
@@ -50,15 +39,7 @@ async def defer(dsn: str, name: str, queue: str | None) -> int:
     conn = await asyncpg.connect(dsn)
     try:
         kwargs = encrypt_kwargs({"moment": MOMENT, "end_from_trigger": False})
-        return (await add_deferred_task(conn, name, DATETIME_TRIGGER, kwargs, queue=queue)).trigger_id
-    finally:
-        await conn.close()
-
-
-async def scalar(dsn: str, query: str, *args: object) -> object:
-    conn = await asyncpg.connect(dsn)
-    try:
-        return await conn.fetchval(query, *args)
+        return (await af.add_deferred_task(conn, name, DATETIME_TRIGGER, kwargs, queue=queue)).trigger_id
     finally:
         await conn.close()
 
@@ -104,7 +85,7 @@ async def test_kwargs_under_another_key_are_unreadable_here_not_invalid(served: 
     foreign = Fernet(Fernet.generate_key()).encrypt(b'{"a": 1}').decode()
     conn = await asyncpg.connect(served)
     try:
-        trigger_id = (await add_deferred_task(conn, "foreign", DATETIME_TRIGGER, foreign,
+        trigger_id = (await af.add_deferred_task(conn, "foreign", DATETIME_TRIGGER, foreign,
                                               queue="team-a")).trigger_id
     finally:
         await conn.close()
@@ -146,19 +127,19 @@ async def test_dead_owner_is_reaped_and_its_stale_events_change_nothing(served: 
         # The dead owner's event (attempt 1), or one for the wrong queue: nothing moves.
         assert await store.apply_events([resume(trigger_id, 1, "team-a")]) == []
         assert await store.apply_events([resume(trigger_id, 2, "team-b")]) == []
-        assert await scalar(served, "SELECT state FROM task_instance WHERE task_id = 't1'") == "deferred"
+        assert await af.scalar(served, "SELECT state FROM task_instance WHERE task_id = 't1'") == "deferred"
 
         applied = await store.apply_events([resume(trigger_id, 2, "team-a")] * 2)  # duplicate
         assert [(a.kind, a.queue) for a in applied] == [("resume", "team-a")]
         assert 0 <= applied[0].latency < 5
         assert await store.apply_events([resume(trigger_id, 2, "team-a")]) == []  # redelivered
-        assert await scalar(served, "SELECT state FROM task_instance WHERE task_id = 't1'") == "scheduled"
+        assert await af.scalar(served, "SELECT state FROM task_instance WHERE task_id = 't1'") == "scheduled"
         # Airflow's trigger row and triggerflow's bookkeeping go, as clean_unused would: not
         # in the apply's transaction but once no batch has come for a moment (unused.py).
         assert len(store.unused) == 1  # waiting for the clean
-        await wait_until(lambda: scalar(served, 'SELECT count(*) = 0 FROM "trigger"'), 10,
+        await wait_until(lambda: af.scalar(served, 'SELECT count(*) = 0 FROM "trigger"'), 10,
                          message="the applied trigger's row deleted after the batch")
-        assert await scalar(served, "SELECT count(*) FROM triggerflow.trigger_state") == 0
+        assert await af.scalar(served, "SELECT count(*) FROM triggerflow.trigger_state") == 0
     finally:
         await store.close()
 
@@ -189,11 +170,11 @@ async def test_sweep_and_clean_unused_after_a_task_is_marked_in_airflow(served: 
         me = await store.register(ProcessKind.CONSUMER, "h", 1, ["team-a"], 100, "t", 30)
         await store.claim(me, [trigger_id], ["team-a"])
         assert await store.sweep_cancelled(me) == []
-        await scalar(served, "UPDATE task_instance SET state = 'success' WHERE task_id = 'cleared'")
+        await af.scalar(served, "UPDATE task_instance SET state = 'success' WHERE task_id = 'cleared'")
         assert await store.sweep_cancelled(me) == [trigger_id]
         assert await store.clean_unused() == 1
-        assert await scalar(served, 'SELECT count(*) FROM "trigger"') == 0
-        assert await scalar(
+        assert await af.scalar(served, 'SELECT count(*) FROM "trigger"') == 0
+        assert await af.scalar(
             served, "SELECT trigger_id FROM task_instance WHERE task_id = 'cleared'") is None
     finally:
         await store.close()
@@ -260,9 +241,9 @@ async def test_a_burst_of_10000_events_is_two_statements(served: str) -> None:
               f"{decode_ms:.3f} ms/row), apply {n} in {apply_s:.3f}s (1 statement), then "
               f"clean_unused in {clean_s:.3f}s (1 statement)")
         assert len(applied) == n
-        assert await scalar(
+        assert await af.scalar(
             served, "SELECT count(*) FROM task_instance WHERE state = 'scheduled'") == n
-        assert await scalar(served, 'SELECT count(*) FROM "trigger"') == 0
+        assert await af.scalar(served, 'SELECT count(*) FROM "trigger"') == 0
     finally:
         await store.close()
 
@@ -281,9 +262,10 @@ async def test_listener_reconnects_and_the_backstop_finds_what_it_missed(served:
     store = await AirflowStore.connect(served)
     try:
         await asyncio.wait_for(connections.get(), 5)
-        killed = await scalar(
+        killed = await af.scalar(
             served, "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
-                    "WHERE application_name = 'triggerflow-airflow-listen'")
+                    "WHERE application_name = 'triggerflow-airflow-listen' "
+                    "AND datname = current_database()")
         assert killed == 1
         missed = await defer(served, "while_away", "team-a")  # no listener right now
         await asyncio.wait_for(connections.get(), 10)  # reconnected
@@ -317,13 +299,13 @@ async def test_release_refusal_and_probation_on_airflow_rows(served: str) -> Non
         assert spec.attempt == 2
 
         # Lost ungracefully twice: a suspect, claimed only on probation, and cleared after.
-        await scalar(served, "UPDATE triggerflow.trigger_state SET owner_id = NULL, failures = 2")
+        await af.scalar(served, "UPDATE triggerflow.trigger_state SET owner_id = NULL, failures = 2")
         assert (await store.claim(peer, [trigger_id], ["team-a"])).suspects == [trigger_id]
         [spec] = await store.claim_probation(peer, ["team-a"])
         assert (spec.id, spec.attempt) == (trigger_id, 3)
         await store.clear_probation(peer, [trigger_id])
-        assert await scalar(served, "SELECT failures FROM triggerflow.trigger_state") == 0
+        assert await af.scalar(served, "SELECT failures FROM triggerflow.trigger_state") == 0
         await store.unregister(peer)
-        assert await scalar(served, "SELECT owner_id FROM triggerflow.trigger_state") is None
+        assert await af.scalar(served, "SELECT owner_id FROM triggerflow.trigger_state") is None
     finally:
         await store.close()

@@ -162,3 +162,15 @@ def test_kwargs_keys_per_queue_and_rotation() -> None:
         KwargsCodec(queue_keys={"team-a": other}).decode(after, "team-a")
     with pytest.raises(MissingKey):  # a consumer of b holds no key of a
         KwargsCodec(queue_keys={"team-b": other}).decode(after, "team-a")
+
+
+def test_only_an_airflow_writer_takes_queues() -> None:
+    """``writer --airflow --queue Q`` scopes wake-ups and the backstop to triggerflow's queues
+    during a migration; a native writer serves every queue, so ``--queue`` there is refused."""
+    from click.testing import CliRunner
+
+    from triggerflow.cli import main
+
+    result = CliRunner().invoke(main, ["writer", "--queue", "team-a"], env={"TRIGGERFLOW_AIRFLOW": "false"})
+    assert result.exit_code == 2
+    assert "--queue scopes a writer in Airflow mode only" in result.output

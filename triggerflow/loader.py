@@ -7,7 +7,7 @@ by the store (each mode stores them its own way), or with the reason they could 
 from __future__ import annotations
 
 import importlib
-from typing import Protocol
+from typing import Any, Protocol
 
 from triggerflow.model import is_allowed
 from triggerflow.store.interface import KwargsProblem, TriggerSpec
@@ -33,18 +33,19 @@ class Loader(Protocol):
     def build(self, spec: TriggerSpec) -> BaseTrigger: ...
 
 
-class TriggerLoader:
-    """Resolves allowed classes (cached) and builds triggers from claimed specs.
-
-    ``build`` raises :class:`Disallowed` (fail the task), :class:`Unloadable` (another
-    consumer may load it) or :class:`BadKwargs` (fail the task).
-    """
+class AllowedClasses:
+    """The allow-list and class cache every loader shares: ``resolve`` checks the classpath
+    before anything is imported, ``instantiate`` builds from a claimed spec's kwargs. A loader
+    says how a classpath becomes a class (``load``)."""
 
     def __init__(self, allowed_modules: list[str]) -> None:
         self.allowed_modules = allowed_modules
-        self._classes: dict[str, type[BaseTrigger]] = {}
+        self._classes: dict[str, type[Any]] = {}
 
-    def resolve(self, classpath: str) -> type[BaseTrigger]:
+    def load(self, classpath: str) -> type[Any]:
+        raise NotImplementedError
+
+    def resolve(self, classpath: str) -> type[Any]:
         cls = self._classes.get(classpath)
         if cls is not None:
             return cls
@@ -53,18 +54,11 @@ class TriggerLoader:
                 f"trigger class {classpath!r} is not in the allowed modules "
                 f"{self.allowed_modules}"
             )
-        module_name, _, name = classpath.rpartition(".")
-        try:
-            module = importlib.import_module(module_name)
-            found = getattr(module, name)
-        except (ImportError, AttributeError) as exc:
-            raise Unloadable(f"cannot import trigger class {classpath!r}: {exc}") from exc
-        if not (isinstance(found, type) and issubclass(found, BaseTrigger)):
-            raise Disallowed(f"{classpath!r} is not a BaseTrigger subclass")
-        self._classes[classpath] = found
-        return found
+        cls = self.load(classpath)
+        self._classes[classpath] = cls
+        return cls
 
-    def build(self, spec: TriggerSpec) -> BaseTrigger:
+    def instantiate(self, spec: TriggerSpec) -> Any:
         cls = self.resolve(spec.classpath)
         problem = spec.kwargs_error
         if problem is not None:
@@ -75,3 +69,26 @@ class TriggerLoader:
             return cls(**(spec.kwargs or {}))
         except Exception as exc:
             raise BadKwargs(f"kwargs do not build {spec.classpath}: {exc!r}") from exc
+
+
+class TriggerLoader(AllowedClasses):
+    """Resolves allowed classes (cached) and builds triggers from claimed specs.
+
+    ``build`` raises :class:`Disallowed` (fail the task), :class:`Unloadable` (another
+    consumer may load it) or :class:`BadKwargs` (fail the task).
+    """
+
+    def load(self, classpath: str) -> type[BaseTrigger]:
+        module_name, _, name = classpath.rpartition(".")
+        try:
+            module = importlib.import_module(module_name)
+            found = getattr(module, name)
+        except (ImportError, AttributeError) as exc:
+            raise Unloadable(f"cannot import trigger class {classpath!r}: {exc}") from exc
+        if not (isinstance(found, type) and issubclass(found, BaseTrigger)):
+            raise Disallowed(f"{classpath!r} is not a BaseTrigger subclass")
+        return found
+
+    def build(self, spec: TriggerSpec) -> BaseTrigger:
+        trigger: BaseTrigger = self.instantiate(spec)
+        return trigger

@@ -76,7 +76,11 @@ class Settings(BaseSettings):
 
     # -- consumer -----------------------------------------------------------------------
     queues: Annotated[list[str], NoDecode] = Field(
-        default_factory=list, description="Team queues to consume / scope."
+        default_factory=list,
+        description=(
+            "Team queues to consume / scope. `writer --airflow`: the queues triggerflow serves "
+            "(rows of others are left to Airflow's own triggerer); unset: every queue."
+        ),
     )
     capacity: int = Field(200_000, ge=1, description="Max triggers one consumer runs at once.")
     allowed_modules: Annotated[list[str], NoDecode] = Field(

@@ -58,7 +58,10 @@ class Writer:
         self.settings = settings
         self.store = store
         self.transport = transport
-        self.reaper = Reaper(store, transport, settings.model_copy(update={"queues": []}))
+        # A native writer's backstop covers every queue; in Airflow mode ``queues`` may name the
+        # ones triggerflow serves, the rest being Airflow's own triggerer's (a migration).
+        scope = list(settings.queues) if settings.airflow else []
+        self.reaper = Reaper(store, transport, settings.model_copy(update={"queues": scope}))
         self.lease = Lease(store, ProcessKind.WRITER, ttl=max(settings.lease_ttl.total_seconds(), 10.0),
                            renew_interval=max(settings.renew_interval.total_seconds(), 1.0))
         self.subscriptions = Subscriptions(

@@ -17,9 +17,9 @@ from typing import Any
 from triggerflow.airflow.codec import Encoded, encode_event, failure_body
 from triggerflow.airflow.kwargs import load_trigger_class
 from triggerflow.airflow.timers import as_timer
-from triggerflow.loader import BadKwargs, Disallowed, Unloadable
-from triggerflow.model import EventKind, is_allowed
-from triggerflow.store.interface import KwargsProblem, TriggerSpec
+from triggerflow.loader import AllowedClasses, Disallowed, Unloadable
+from triggerflow.model import EventKind
+from triggerflow.store.interface import TriggerSpec
 from triggerflow.triggers.base import BaseTrigger, TriggerEvent
 
 
@@ -61,40 +61,19 @@ class AirflowCoroutine(BaseTrigger):
         await self.trigger.cleanup()
 
 
-class AirflowLoader:
+class AirflowLoader(AllowedClasses):
     """``TriggerLoader``'s contract for Airflow rows: ``build`` raises ``Disallowed``,
     ``Unloadable`` or ``BadKwargs`` exactly where the native loader does."""
 
-    def __init__(self, allowed_modules: list[str]) -> None:
-        self.allowed_modules = allowed_modules
-        self._classes: dict[str, type[Any]] = {}
-
-    def resolve(self, classpath: str) -> type[Any]:
-        cls = self._classes.get(classpath)
-        if cls is not None:
-            return cls
-        if not is_allowed(classpath, self.allowed_modules):
-            raise Disallowed(f"trigger class {classpath!r} is not in the allowed modules "
-                             f"{self.allowed_modules}")
+    def load(self, classpath: str) -> type[Any]:
         try:
-            cls = load_trigger_class(classpath)
+            return load_trigger_class(classpath)
         except (ImportError, AttributeError) as exc:
             raise Unloadable(f"cannot import trigger class {classpath!r}: {exc}") from exc
         except TypeError as exc:
             raise Disallowed(str(exc)) from exc
-        self._classes[classpath] = cls
-        return cls
 
     def build(self, spec: TriggerSpec) -> BaseTrigger:
-        cls = self.resolve(spec.classpath)
-        problem = spec.kwargs_error
-        if problem is not None:
-            if problem.problem is KwargsProblem.UNREADABLE_HERE:
-                raise Unloadable(f"cannot decrypt kwargs of {spec.classpath}: {problem.message}")
-            raise BadKwargs(f"kwargs do not build {spec.classpath}: {problem.message}")
-        try:
-            trigger = cls(**(spec.kwargs or {}))
-        except Exception as exc:
-            raise BadKwargs(f"kwargs do not build {spec.classpath}: {exc!r}") from exc
+        trigger = self.instantiate(spec)
         # A timer keeps only its deadline; the Airflow object is dropped here.
         return as_timer(trigger) or AirflowCoroutine(trigger)

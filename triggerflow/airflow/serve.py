@@ -5,7 +5,8 @@ triggerer did that nothing else in the deployment does.
 heap timers for ``DateTimeTrigger`` forms, Airflow's coroutine otherwise) and Airflow's
 serialisers for every event (``codec.wire_outcome``).
 
-``serve_writer``: the native writer, and alongside it
+``serve_writer``: the native writer (its backstop scoped to ``queues`` when given: during a
+migration the other queues are Airflow's own triggerer's), and alongside it
 - the ``TriggererJob`` heartbeat (``heartbeat.triggerer_job``), so Airflow's health checks see
   a triggerer while a writer runs;
 - LISTEN on the NOTIFY trigger ``setup`` installed: each new Airflow trigger row becomes a
@@ -22,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Sequence
 
 from triggerflow.airflow.store import AirflowStore
 from triggerflow.reaper import Reaper
@@ -57,16 +59,19 @@ async def serve_consumer(settings: Settings, store: Store, transport: Transport,
 
 class WakeUps:
     """New Airflow trigger rows -> wake-ups on their queues, then marked published (so the
-    backstop leaves them alone for ``unclaimed_grace``)."""
+    backstop leaves them alone for ``unclaimed_grace``). ``queues``, when given, are the only
+    queues triggerflow serves: rows of any other are Airflow's own triggerer's."""
 
-    def __init__(self, store: AirflowStore, transport: Transport) -> None:
+    def __init__(self, store: AirflowStore, transport: Transport,
+                 queues: Sequence[str] = ()) -> None:
         self.store = store
         self.transport = transport
+        self.queues = frozenset(queues)
 
     async def deliver(self, queue: str | None, ids: list[int]) -> None:
         queue = queue or self.store.default_queue
-        if queue is None or not ids:
-            return  # no queue and no default: Airflow's own triggerer serves these rows
+        if queue is None or not ids or (self.queues and queue not in self.queues):
+            return  # not triggerflow's queue: Airflow's own triggerer serves these rows
         try:
             await self.transport.publish_wakeups({queue: ids})
         except TransportError as exc:
@@ -99,7 +104,7 @@ async def serve_writer(settings: Settings, any_store: Store, transport: Transpor
 
     store = _airflow(any_store)
     writer = Writer(settings, store, transport)
-    wake = WakeUps(store, transport)
+    wake = WakeUps(store, transport, settings.queues)
     interval = settings.reaper_interval.total_seconds()
     async with heartbeat.triggerer_job(store.pool):
         side = [

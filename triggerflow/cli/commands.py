@@ -129,6 +129,8 @@ def consume(**values: Any) -> None:
 def writer(**values: Any) -> None:
     """Apply events to task instances in batches."""
     settings = build_settings(values)
+    if settings.queues and not settings.airflow:
+        raise click.UsageError("--queue scopes a writer in Airflow mode only (--airflow)")
     _setup_process(settings, "triggerflow-writer")
 
     async def go() -> int:

@@ -34,7 +34,7 @@ CONSUMER = ("queues", "capacity", "allowed_modules", "lease_ttl", "renew_interva
             "default_queue")
 WRITER = ("writer_batch", "writer_prefetch", "writer_concurrency", "team_users", "lease_ttl",
           "renew_interval", "reaper_interval", "unclaimed_grace", "max_deferral", "reclaim_rate",
-          "subscription_check_interval", "airflow", "default_queue")
+          "subscription_check_interval", "airflow", "default_queue", "queues")
 SDK = ("allowed_modules", "max_kwargs_bytes", "max_deferral", "kwargs_key", "kwargs_keys")
 
 # Durations are given in seconds on the command line, as in the environment.
