@@ -198,7 +198,8 @@ def plot_bursts(burst: dict[str, Any], path: Path) -> bool:
 # ----------------------------------------------------------------------------- entry point
 
 RUNNERS: dict[str, Callable[[Bench], Awaitable[dict[str, Any]]]] = {
-    "reference": scenario_reference, "held": scenario_held, "wide": scenario_wide, "periodic": scenario_periodic,
+    "reference": scenario_reference, "held": scenario_held, "wide": scenario_wide,
+    "periodic": scenario_periodic,
     "capacity": scenario_capacity, "burst": scenario_burst, "steady": scenario_steady,
     "dbload": scenario_dbload, "defer": scenario_defer, "failover": scenario_failover,
 }
