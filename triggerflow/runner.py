@@ -66,6 +66,12 @@ def failure(reason: FailureReason, message: str, tb: str | None = None) -> dict[
     return payload
 
 
+# Due timers fired per loop pass. 50,000 due at one instant fired in one callback held the
+# loop for seconds: the lease renewal starved (the consumer fenced itself mid-burst) and no
+# event was published until the last had fired. Between slices the loop sends the messages
+# already full and renews, so the writers start on the first events ~10 ms after the instant.
+_FIRE_SLICE = 1000
+
 # One name shared by every trigger task: an unnamed task gets its own "Task-<n>" string,
 # and the watchdog finds a blocking trigger from the stack, not from the task name.
 _TASK_NAME = "trigger"
@@ -165,9 +171,11 @@ class TriggerRunner:
     def _on_timer(self) -> None:
         self._wakeup = None
         now = time.time()
+        budget = _FIRE_SLICE
         try:
             # self._heap each time round: a compaction may replace the list meanwhile
-            while self._heap and self._heap[0][0] <= now:
+            while self._heap and self._heap[0][0] <= now and budget:
+                budget -= 1
                 _, trigger_id, attempt = heapq.heappop(self._heap)
                 held = self.running.get(trigger_id)
                 if held is None or held.attempt != attempt:
@@ -179,7 +187,7 @@ class TriggerRunner:
                 elif held.timeout_at is not None and held.timeout_at <= now:
                     self._time_out(held)
         finally:  # whatever one trigger did, the heap keeps waking up for the others
-            self._arm()
+            self._arm()  # still due: called again on the next loop pass, after I/O
 
     def _fire_timer(self, held: Held) -> None:
         assert held.timer_cls is not None and held.deadline is not None
