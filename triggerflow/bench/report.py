@@ -78,8 +78,8 @@ def _summary_latency(results: dict[str, Any]) -> list[Row]:
                          "all applied / reference", f"{ms(r['all_applied'])} / "
                          f"{ms(r['reference_all_applied'])} = {r['ratio']:.2f}x",
                          r["ratio"] <= limit))
-    wide = results.get("wide")
-    for n, r in (wide or {}).get("sizes", {}).items():
+    wide: dict[str, Any] = results.get("wide") or {}
+    for n, r in wide.get("sizes", {}).items():
         rows.append(_row("wide_100k", f"burst of {int(n):,} over {wide['consumers']} consumers "
                          f"and {wide['writers']} writers: all applied / reference",
                          f"{ms(r['all_applied'])} / {ms(r['reference_all_applied'])} = "
