@@ -79,3 +79,14 @@ def test_bench_quick_million(tmp_path: Path, pg_server: str, amqp_server: str) -
     assert m["steady"]["applied"] == 200 and m["reference"]["applied"] == 200
     fo = m["failover"]
     assert fo["complete"] and fo["peer_owned"] == fo["total"] == 20_000
+
+
+def test_bench_quick_wide(tmp_path: Path, pg_server: str, amqp_server: str) -> None:
+    out, data = _run_quick(tmp_path, pg_server, amqp_server, ["wide"])
+    assert "Wide burst: N DateTimeTriggers at one instant over 2 consumers and 2 writers" in out, \
+        out[-4000:]
+    wide = data["wide"]["sizes"]["400"]
+    assert wide["runs"][0]["applied"] == 400
+    assert wide["reference_all_applied"] > 0 and wide["ratio"] > 0
+    # the broker saw two consumers on the team queue and two writers on the events queue
+    assert data["wide"]["broker_consumers"] == {"team": 2, "events": 2}

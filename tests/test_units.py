@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import sys
 import time
+from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -18,6 +19,7 @@ from triggerflow.runner import Held, TriggerRunner
 from triggerflow.settings import Settings
 from triggerflow.store import KwargsError, KwargsProblem, TriggerSpec
 from triggerflow.triggers import DateTimeTrigger, TimeDeltaTrigger
+from triggerflow.triggers.base import BaseTrigger, TriggerEvent
 from triggerflow.wire import (
     Event,
     PayloadError,
@@ -136,6 +138,56 @@ async def test_runner_fires_timers_from_one_heap_and_times_out_tasks(tmp_path: A
     assert kinds[5002] == EventKind.FAIL and 5003 not in kinds
     assert (tmp_path / "cleanup-5000").exists() and (tmp_path / "cleanup-5003").exists()
     assert len(runner) == 0
+
+
+async def test_runner_fires_a_big_instant_in_slices() -> None:
+    """5,000 timers due at once fire over several loop passes: a callback queued meanwhile
+    (a lease renewal, a publish) runs between slices, not after the last one."""
+    fired: list[int] = []
+    seen_by_callback: list[int] = []
+    loop = asyncio.get_running_loop()
+
+    def emit(held: Held, kind: EventKind, payload: Any) -> None:
+        if not fired:
+            loop.call_soon(lambda: seen_by_callback.append(len(fired)))
+        fired.append(held.id)
+
+    runner = TriggerRunner(emit)
+    past = datetime.now(UTC) - timedelta(seconds=1)
+    for i in range(5000):
+        runner.start(Held(i, 1, "q", "c", None, None, None), DateTimeTrigger(past))
+    for _ in range(100):
+        if len(fired) == 5000:
+            break
+        await asyncio.sleep(0)
+    assert len(fired) == 5000
+    assert seen_by_callback and 0 < seen_by_callback[0] < 5000
+
+
+class _UsesCurrentTask(BaseTrigger):
+    """What Airflow triggers built on aiohttp need: a current task, asyncio.timeout()."""
+
+    def serialize(self) -> tuple[str, dict[str, Any]]:
+        return ("tests.test_units._UsesCurrentTask", {})
+
+    async def run(self) -> AsyncIterator[TriggerEvent]:
+        async with asyncio.timeout(5):
+            await asyncio.sleep(0.01)
+        yield TriggerEvent(asyncio.current_task() is not None)
+
+
+async def test_runner_trigger_tasks_are_tasks_kept_by_the_runner() -> None:
+    out: list[tuple[int, Any]] = []
+    runner = TriggerRunner(lambda held, kind, payload: out.append((held.id, payload)))
+    runner.start(Held(1, 1, "q", "c", None, None, None), _UsesCurrentTask())
+    task = runner.running[1].task
+    assert task is not None and task not in asyncio.all_tasks()  # held.task keeps it
+    for _ in range(100):
+        if out:
+            break
+        await asyncio.sleep(0.01)
+    assert out == [(1, True)]
+    await runner.wait_cleanups()
 
 
 def test_payload_with_undecodable_file_name_is_a_payload_error() -> None:

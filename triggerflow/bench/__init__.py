@@ -13,7 +13,7 @@ roles (``tfbench_consumer``, ``tfbench_writer``, ``tfbench_sdk``), so ``pg_stat_
 (which has no pid) still tells them apart; the bench's own polling runs as the given user
 and is never counted.
 
-Scenarios: reference, capacity, burst, held, steady, dbload, periodic, defer, failover
+Scenarios: reference, capacity, burst, held, wide, steady, dbload, periodic, defer, failover
 (default: all). Bursts print their all-applied time as a multiple of ``reference``, the bare
 path measured in the same run (``reference.py``). ``airflow``, on
 its own, runs the Airflow-mode bench instead (``airflow.py``: a real Airflow 3.3.2 stack;

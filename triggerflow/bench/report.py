@@ -24,6 +24,7 @@ from triggerflow.bench.scenarios import (
     table_capacity,
     table_steady,
 )
+from triggerflow.bench.wide import scenario_wide, table_wide
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -78,6 +79,12 @@ def _summary_latency(results: dict[str, Any]) -> list[Row]:
                          "all applied / reference", f"{ms(r['all_applied'])} / "
                          f"{ms(r['reference_all_applied'])} = {r['ratio']:.2f}x",
                          r["ratio"] <= limit))
+    wide: dict[str, Any] = results.get("wide") or {}
+    for n, r in wide.get("sizes", {}).items():
+        rows.append(_row("wide_100k", f"burst of {int(n):,} over {wide['consumers']} consumers "
+                         f"and {wide['writers']} writers: all applied / reference",
+                         f"{ms(r['all_applied'])} / {ms(r['reference_all_applied'])} = "
+                         f"{r['ratio']:.2f}x", r["ratio"] <= 1.5))
     steady = results.get("steady")
     if steady:
         rows.append(_row("steady", f"steady {steady['rate']:,}/s: p50 / p99",
@@ -200,7 +207,8 @@ def plot_bursts(burst: dict[str, Any], path: Path) -> bool:
 # ----------------------------------------------------------------------------- entry point
 
 RUNNERS: dict[str, Callable[[Bench], Awaitable[dict[str, Any]]]] = {
-    "reference": scenario_reference, "held": scenario_held, "periodic": scenario_periodic,
+    "reference": scenario_reference, "held": scenario_held, "wide": scenario_wide,
+    "periodic": scenario_periodic,
     "capacity": scenario_capacity, "burst": scenario_burst, "steady": scenario_steady,
     "dbload": scenario_dbload, "defer": scenario_defer, "failover": scenario_failover,
     "million": scenario_million,
@@ -214,6 +222,8 @@ def _tables(name: str, res: dict[str, Any], sizes: Sizes) -> list[Table]:
         return [table_burst(res, sizes.repeats)]
     if name == "held":
         return [table_burst(res, sizes.repeats, res["held"])]
+    if name == "wide":
+        return [table_wide(res, sizes.repeats)]
     if name == "reference":
         return [table_reference(res)]
     if name == "periodic":

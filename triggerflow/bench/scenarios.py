@@ -101,14 +101,15 @@ def table_capacity(res: dict[str, Any]) -> Table:
     return t
 
 
-async def _burst_once(b: Bench, n: int, *, keep_held: bool = False) -> dict[str, Any]:
+async def _burst_once(b: Bench, n: int, *, keep_held: bool = False,
+                      defer_rate: float = 2500) -> dict[str, Any]:
     if keep_held:  # the held timers stay; only the previous bursts' tasks go
         await b.db().execute("DELETE FROM task_instance WHERE state <> 'deferred'")
     else:
         await b.truncate("task_instance", "trigger")
     held = await b.owned()
     busy = await b.quiet()
-    lead = b.sizes.lead + n / 2500
+    lead = b.sizes.lead + n / defer_rate  # the deferral must end before the instant
     instant = datetime.now(UTC) + timedelta(seconds=lead)
     run = _run_id(f"burst{n}")
     await b.defer(n, run, lambda i: instant)
@@ -134,7 +135,7 @@ async def _burst_once(b: Bench, n: int, *, keep_held: bool = False) -> dict[str,
 
 
 async def _bursts(b: Bench, sizes: tuple[int, ...], tag: str, *,
-                  keep_held: bool = False) -> dict[str, Any]:
+                  keep_held: bool = False, defer_rate: float = 2500) -> dict[str, Any]:
     """Each size ``repeats`` times, each run right after a reference run of the same size
     (interleaved, so a slower minute of the machine slows both); medians and ratios."""
     out: dict[str, Any] = {}
@@ -143,8 +144,8 @@ async def _bursts(b: Bench, sizes: tuple[int, ...], tag: str, *,
         for i in range(b.sizes.repeats):
             ref = await reference_run(b, n)
             b.log(f"{tag}: N={n:,} run {i + 1}/{b.sizes.repeats}")
-            r = await b.measured(f"{tag} {n}", functools.partial(_burst_once, b, n,
-                                                                 keep_held=keep_held))
+            r = await b.measured(f"{tag} {n}", functools.partial(
+                _burst_once, b, n, keep_held=keep_held, defer_rate=defer_rate))
             r["reference_all_applied"] = ref["all_applied"]
             runs.append(r)
             b.log(f"{tag}: N={n:,} run {i + 1}: p50 {ms(r['p50'])}, p99 {ms(r['p99'])}, all "

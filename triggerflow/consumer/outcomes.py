@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable
@@ -38,6 +39,7 @@ class Outcomes:
         self.max_event_bytes = settings.max_event_bytes
         self.on_fired = on_fired
         self.metrics = get_metrics()
+        self._succeeded: dict[str, int] = {}  # queue -> fired since the last count flush
 
     def emit(self, held: Held, kind: EventKind, payload: Any) -> None:
         if not self.lease.valid():
@@ -66,10 +68,22 @@ class Outcomes:
             self.metrics.failed.add(
                 1, {"queue": held.queue, "reason": str(reason or FailureReason.TRIGGER_FAILURE)})
         else:
-            self.metrics.succeeded.add(1, {"queue": held.queue})
+            self._count_succeeded(held.queue)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("fired %s", kind, extra=held.log_context())
         self.on_fired(held)
+
+    def _count_succeeded(self, queue: str) -> None:
+        """Count per loop pass, not per event: a burst fires thousands in one pass, and a
+        counter add costs ~1.6 us (16 ms of a 10,000-trigger burst)."""
+        if not self._succeeded:
+            asyncio.get_running_loop().call_soon(self._flush_counts)
+        self._succeeded[queue] = self._succeeded.get(queue, 0) + 1
+
+    def _flush_counts(self) -> None:
+        counts, self._succeeded = self._succeeded, {}
+        for queue, n in counts.items():
+            self.metrics.succeeded.add(n, {"queue": queue})
 
     @staticmethod
     def _fire_span(held: Held, kind: EventKind) -> str | None:
