@@ -77,6 +77,10 @@ _FIRE_SLICE = 1000
 _TASK_NAME = "trigger"
 
 
+_unregister_task: Callable[[asyncio.Task[Any]], None] = getattr(
+    asyncio.tasks, "_unregister_task", lambda task: None)
+
+
 class _TriggerTask(asyncio.Task):  # type: ignore[type-arg]
     """A coroutine trigger waiting for its first event, and what ending it needs.
 
@@ -141,7 +145,8 @@ class TriggerRunner:
                                 loop=asyncio.get_running_loop(), name=_TASK_NAME)
             # asyncio keeps every task in a process-wide WeakSet for all_tasks() (~130-200 B
             # each at 10k, tracemalloc); held.task keeps ours and cancel() stops them all.
-            asyncio.tasks._unregister_task(task)
+            # A private function: where a Python lacks it, tasks just stay registered.
+            _unregister_task(task)
             task.agen, task.held, task.trigger = agen, held, trigger
             # one shared bound method and context: a per-task copy would cost ~290 B each
             task.add_done_callback(self._on_done, context=self._callback_context)
