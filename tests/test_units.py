@@ -216,13 +216,15 @@ def test_kwargs_keys_per_queue_and_rotation() -> None:
         KwargsCodec(queue_keys={"team-b": other}).decode(after, "team-a")
 
 
-def test_only_an_airflow_writer_takes_queues() -> None:
+def test_only_an_airflow_writer_is_scoped_by_queues() -> None:
     """``writer --airflow --queue Q`` scopes wake-ups and the backstop to triggerflow's queues
-    during a migration; a native writer serves every queue, so ``--queue`` there is refused."""
-    from click.testing import CliRunner
+    during a migration; a native writer serves every queue whatever ``queues`` says (an
+    environment shared by all processes may set it)."""
+    from triggerflow.testing import InMemory
+    from triggerflow.writer import Writer
 
-    from triggerflow.cli import main
-
-    result = CliRunner().invoke(main, ["writer", "--queue", "team-a"], env={"TRIGGERFLOW_AIRFLOW": "false"})
-    assert result.exit_code == 2
-    assert "--queue scopes a writer in Airflow mode only" in result.output
+    mem = InMemory()
+    native = Writer(Settings(queues=["team-a"]), mem.store, mem.transport())
+    airflow = Writer(Settings(queues=["team-a"], airflow=True), mem.store, mem.transport())
+    assert native.reaper.queues is None
+    assert airflow.reaper.queues == ["team-a"]

@@ -130,7 +130,10 @@ def writer(**values: Any) -> None:
     """Apply events to task instances in batches."""
     settings = build_settings(values)
     if settings.queues and not settings.airflow:
-        raise click.UsageError("--queue scopes a writer in Airflow mode only (--airflow)")
+        # one environment shared by every process (compose, a ConfigMap) sets TRIGGERFLOW_QUEUES
+        # for the writer too: a native writer serves every queue, so it is only named, not fatal
+        click.echo("warning: a native writer serves every queue; --queue/TRIGGERFLOW_QUEUES "
+                   "ignored", err=True)
     _setup_process(settings, "triggerflow-writer")
 
     async def go() -> int:
