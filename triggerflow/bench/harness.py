@@ -321,6 +321,16 @@ class Bench:
         info = await self.broker.queue_info(queue)
         return info[1] if info else 0
 
+    async def subscribed(self, queue: str, expected: int, within: float = 10.0) -> int:
+        """The broker's consumer count on ``queue`` once it reaches ``expected`` (or the last
+        read after ``within`` s): a subscription being renewed is briefly absent from it."""
+        deadline = time.monotonic() + within
+        count = await self.broker_consumers(queue)
+        while count < expected and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+            count = await self.broker_consumers(queue)
+        return count
+
     async def wait_ready(self, proc: Proc, queue: str, consumers: int,
                          within: float = 30) -> None:
         """Registered in the database and subscribed on the broker."""

@@ -9,8 +9,6 @@ within 1.5x).
 
 from __future__ import annotations
 
-import asyncio
-import time
 from typing import TYPE_CHECKING, Any
 
 from triggerflow.bench.harness import Bench
@@ -32,24 +30,13 @@ async def scenario_wide(b: Bench) -> dict[str, Any]:
     for _ in range(b.sizes.wide_consumers):
         await b.start_consumer()
     assert b.broker is not None
-    seen = {"team": await _subscribed(b, b.queue, b.sizes.wide_consumers),
-            "events": await _subscribed(b, b.broker.topology.events_queue, b.sizes.wide_writers)}
+    seen = {"team": await b.subscribed(b.queue, b.sizes.wide_consumers),
+            "events": await b.subscribed(b.broker.topology.events_queue, b.sizes.wide_writers)}
     # keep_held: DELETE the applied tasks between runs; a TRUNCATE (an exclusive lock) can
     # deadlock with a statement a consumer still has in flight after 100,000 events
     sizes = await _bursts(b, (b.sizes.wide,), "wide", keep_held=True, defer_rate=DEFER_RATE)
     return {"consumers": b.sizes.wide_consumers, "writers": b.sizes.wide_writers,
             "broker_consumers": seen, "sizes": sizes}
-
-
-async def _subscribed(b: Bench, queue: str, expected: int, within: float = 10.0) -> int:
-    """The broker's consumer count on ``queue`` once it reaches ``expected`` (or the last
-    read after ``within`` s): a subscription being renewed is briefly absent from it."""
-    deadline = time.monotonic() + within
-    count = await b.broker_consumers(queue)
-    while count < expected and time.monotonic() < deadline:
-        await asyncio.sleep(0.1)
-        count = await b.broker_consumers(queue)
-    return count
 
 
 def table_wide(res: dict[str, Any], repeats: int) -> Table:
