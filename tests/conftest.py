@@ -236,14 +236,28 @@ class Processes:
         self.supervisor.stop_all(sig=signal.SIGKILL, grace=10)
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    report = yield
+    if report.when == "call":
+        item.stash[CALL_FAILED] = report.failed
+    return report
+
+
+CALL_FAILED = pytest.StashKey[bool]()
+
+
 @pytest.fixture
-def procs(settings: Settings, topology: Topology, tmp_path: Path) -> Iterator[Processes]:
+def procs(request: pytest.FixtureRequest, settings: Settings, topology: Topology,
+          tmp_path: Path) -> Iterator[Processes]:
     p = Processes(settings, tmp_path)
     yield p
     p.stop_all()
-    if os.environ.get("TRIGGERFLOW_TEST_SHOW_LOGS"):
+    # A failed test shows what its processes logged (a CI run leaves nothing else behind).
+    if os.environ.get("TRIGGERFLOW_TEST_SHOW_LOGS") or request.node.stash.get(CALL_FAILED, False):
         for proc in p.procs:
-            sys.stderr.write(p.log(proc))
+            sys.stderr.write(f"----- {' '.join(map(str, proc.args))[-120:]} (rc {proc.returncode})\n")
+            sys.stderr.write(p.log(proc)[-20000:])
 
 
 async def wait_until(

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import FAST, Processes, SuiteServices, wait_until
+from tests.conftest import FAST, Processes, SuiteServices, states, wait_until
 from tests.triggers import WaitsForever
 from triggerflow.model import TaskKey
 from triggerflow.sdk import Deferral, TriggerflowClient
@@ -222,9 +222,15 @@ async def test_postgres_restart_mid_run_loses_no_event(
     await client.defer_many(deferrals)
     await asyncio.sleep(4)
     await asyncio.to_thread(services.restart_postgres)
-    await wait_until(lambda: db.fetchval(
-        "SELECT count(*) = 3000 FROM task_instance WHERE state = 'scheduled'"), 60,
-        interval=0.5, message="every event applied after the restart")
+    try:
+        await wait_until(lambda: db.fetchval(
+            "SELECT count(*) = 3000 FROM task_instance WHERE state = 'scheduled'"), 60,
+            interval=0.5, message="every event applied after the restart")
+    except AssertionError as exc:
+        left = await db.fetch("SELECT owner_id IS NOT NULL AS owned, attempt, count(*) "
+                              "FROM trigger GROUP BY 1, 2")
+        raise AssertionError(f"{exc}: tasks {await states(db)}, triggers left "
+                             f"{[tuple(r) for r in left]}") from None
     await wait_until(lambda: db.fetchval("SELECT count(*) = 0 FROM trigger"), 15)
 
 
