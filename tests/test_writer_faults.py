@@ -182,3 +182,27 @@ async def test_writer_rides_out_database_errors_that_are_not_a_lost_connection(
     assert writer.poll() is None
     assert "retrying" in procs.log(writer)
     assert await dead_count(settings) == 0
+
+
+async def test_writer_rides_out_its_backend_killed_mid_statement(
+    db: Database, dsn: str, procs: Processes, teams: list[str], settings: Settings,
+) -> None:
+    """The batch's connection dies inside its transaction (what a server restart does to a
+    statement in flight): the batch goes again on a new connection."""
+    writer = procs.writer()
+    await wait_until(lambda: db.fetchval("SELECT count(*) FROM consumer WHERE kind = 'writer'"),
+                     15, message="writer registered")
+    ids = await make_deferred(db, teams[0], 500)
+    async with row_lock(dsn, ids[0]):
+        await publish_burst(settings, teams[0], ids)
+        await wait_until(lambda: writer_waits_on_lock(db), 15, message="batch held by the lock")
+        killed = await db.fetchval(
+            "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+            "WHERE datname = current_database() AND wait_event_type = 'Lock' "
+            "AND query LIKE '%WITH ev AS%'")
+        assert killed == 1
+        await asyncio.sleep(0.5)
+    await wait_until(lambda: all_applied_once(db, 500), 30, message="every task applied once")
+    assert writer.poll() is None, "the writer died"
+    assert "retrying" in procs.log(writer)
+    assert await dead_count(settings) == 0

@@ -19,6 +19,10 @@ Record = Mapping[str, Any]
 DB_DISCONNECTED: tuple[type[BaseException], ...] = (
     OSError, asyncpg.InterfaceError, asyncpg.PostgresConnectionError,
     asyncpg.CannotConnectNowError, asyncpg.AdminShutdownError,
+    # A transaction's connection lost mid-statement (a server restart): asyncpg's rollback
+    # then fails with "cannot switch to state ...; another operation is in progress". Seen in
+    # both writers' apply; unhandled, it ended the writer (a CI run of test_faults).
+    asyncpg.InternalClientError,
 )
 
 
