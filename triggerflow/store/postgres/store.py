@@ -37,7 +37,12 @@ from triggerflow.store.interface import (
     TriggerSpec,
 )
 from triggerflow.store.postgres import statements as sql
-from triggerflow.store.postgres.pool import DB_DISCONNECTED, Record, create_pool
+from triggerflow.store.postgres.pool import (
+    DB_DISCONNECTED,
+    Record,
+    create_pool,
+    session_settings,
+)
 from triggerflow.wire import Event
 
 # Two writers' batches can still meet on a row; such a statement is simply run again.
@@ -92,7 +97,7 @@ class PostgresStore:
                 if self._lease_conn is None or self._lease_conn.is_closed():
                     self._lease_conn = await asyncpg.connect(
                         self._lease_dsn, statement_cache_size=0 if self._pgbouncer else 16,
-                        server_settings={"application_name": "triggerflow-lease"})
+                        server_settings=session_settings("triggerflow-lease", pgbouncer=self._pgbouncer))
                 row: Record | None = await self._lease_conn.fetchrow(query, *args)
                 return row
             except BaseException:  # timed out, cancelled or broken: start clean next time
