@@ -236,15 +236,15 @@ class Processes:
         self.supervisor.stop_all(sig=signal.SIGKILL, grace=10)
 
 
+CALL_FAILED = pytest.StashKey[bool]()  # set per test by the hook below, read by ``procs``
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
     report = yield
     if report.when == "call":
         item.stash[CALL_FAILED] = report.failed
     return report
-
-
-CALL_FAILED = pytest.StashKey[bool]()
 
 
 @pytest.fixture

@@ -20,8 +20,8 @@ DB_DISCONNECTED: tuple[type[BaseException], ...] = (
     OSError, asyncpg.InterfaceError, asyncpg.PostgresConnectionError,
     asyncpg.CannotConnectNowError, asyncpg.AdminShutdownError,
     # A transaction's connection lost mid-statement (a server restart): asyncpg's rollback
-    # then fails with "cannot switch to state ...; another operation is in progress". Seen in
-    # both writers' apply; unhandled, it ended the writer (a CI run of test_faults).
+    # then fails with "cannot switch to state ...; another operation is in progress". Met by
+    # the Airflow writer's fault test; unhandled, it ends a writer's apply task.
     asyncpg.InternalClientError,
 )
 
