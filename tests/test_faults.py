@@ -4,6 +4,7 @@ queues deleted under a consumer, tasks cleared by hand. Every wait is bounded.""
 from __future__ import annotations
 
 import asyncio
+import re
 import signal
 import subprocess
 import time
@@ -81,9 +82,9 @@ async def test_consumer_loss_fails_over_to_peer(
 async def test_sigkill_of_a_big_holder_is_reaped_in_batches(
     client: TriggerflowClient, db: Database, procs: Processes, teams: list[str],
 ) -> None:
-    # reap_batch 150 of 500 held: four reaper statements free the dead consumer's triggers,
-    # each batch claimed by the peer while the next is freed; every trigger blamed once.
-    writer = procs.writer(reap_batch=150)
+    # reap_batch 150 of 500 held: four reaper statements take the dead consumer's triggers
+    # over, each batch started by the peer before the next is rewritten; every trigger blamed
+    # once. No writer: its reaper would free batches for the peer to claim (two rewrites).
     first = procs.consume(teams[0], reap_batch=150)
     first_id = await consumer_id(db, first)
     await client.defer_many(timers(500, 25, teams[0]))
@@ -94,12 +95,21 @@ async def test_sigkill_of_a_big_holder_is_reaped_in_batches(
     first.send_signal(signal.SIGKILL)
     await wait_until(lambda: all_owned_by(db, second_id, 500), 15, interval=0.05,
                      message="peer holds all")
-    log = procs.log(second) + procs.log(writer)  # either reaper may take a batch
+    log = procs.log(second)
     assert log.count("(a batch; more follow)") == 3, log[-3000:]  # the witness: 3 + the last
-    assert log.count("reclaimed 50 triggers from 1 dead consumer(s)") == 1, log[-3000:]
-    assert await db.fetchval("SELECT min(failures) = 1 AND max(failures) = 1 FROM trigger")
+    assert log.count("reclaimed 50 triggers (50 taken over here) from 1 dead consumer(s)") == 1
+    taken = [int(n) for n in re.findall(r"\((\d+) taken over here\)", log)]
+    assert taken == [150, 150, 150, 50], log[-3000:]  # in the reaping rewrite, none re-sent
+    # one rewrite each: claimed once by the first (attempt 1), taken over once (attempt 2)
+    assert await db.fetchval(
+        "SELECT min(attempt) = 2 AND max(attempt) = 2 AND min(failures) = 1 "
+        "AND max(failures) = 1 FROM trigger")
     # the dead row went with its last trigger, so no renewal reports a dead peer any more
     assert await db.fetchval("SELECT count(*) FROM consumer WHERE id = $1", first_id) == 0
+    # and the peer runs them: the timers are its own now
+    await wait_until(lambda: db.fetchval(
+        "SELECT running = 500 FROM consumer WHERE id = $1", second_id), 10,
+        message="the peer's renewal reports all 500 running")
 
 
 async def test_paused_consumer_is_fenced_and_reregisters(

@@ -11,32 +11,44 @@ import asyncio
 import contextlib
 import logging
 from collections import defaultdict
-from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
+from typing import Protocol
 
 from triggerflow.settings import Settings
-from triggerflow.store import Reaped, Store, TriggerRef
+from triggerflow.store import Reaped, Store, Taker, TriggerRef, TriggerSpec
 from triggerflow.telemetry import get_metrics
 from triggerflow.transport import Transport, TransportUnavailable, Unroutable
 
 log = logging.getLogger(__name__)
 
 
-TakeLocally = Callable[[str, list[int]], list[int]]
+class Local(Protocol):
+    """The consumer a reaper runs in. It takes freed triggers first: a stalled peer still
+    subscribed to the queue (SIGSTOP, a blocked loop) would otherwise receive its share of
+    the re-sent wake-ups and sit on them until the broker's heartbeat gives up on it."""
+
+    def taking(self) -> AbstractAsyncContextManager[Taker | None]:
+        """Holds claims and shutdown off while a take-over runs; None: take nothing now."""
+        ...
+
+    async def adopt(self, taker: Taker, specs: list[TriggerSpec]) -> None:
+        """Start what a take-over made ours (or hand it back if we were fenced meanwhile)."""
+        ...
+
+    def take_locally(self, queue: str, ids: list[int]) -> list[int]:
+        """Queue freed triggers for our claim loop; return the ids with no room here."""
+        ...
 
 
 class Reaper:
-    """Sweeps for one process. ``take_locally(queue, ids)`` (consumers only) claims freed
-    triggers in this process first and returns the ids it had no room for; only those are
-    published. A stalled peer still subscribed to the queue (SIGSTOP, a blocked loop) would
-    otherwise receive its share of the re-sent wake-ups and sit on them until the broker's
-    heartbeat gives up on it."""
+    """Sweeps for one process; ``local`` is the consumer it runs in (a writer's has none)."""
 
     def __init__(self, store: Store, transport: Transport, settings: Settings,
-                 take_locally: TakeLocally | None = None) -> None:
+                 local: Local | None = None) -> None:
         self.store = store
         self.transport = transport
         self.settings = settings
-        self.take_locally = take_locally
+        self.local = local
         # The reaper's scope: its process's queues; None (a writer's) covers every queue.
         self.queues: list[str] | None = list(settings.queues) or None
         self.unconsumed: list[str] = []
@@ -45,9 +57,9 @@ class Reaper:
         by_queue: dict[str, list[int]] = defaultdict(list)
         for ref in refs:
             by_queue[ref.queue].append(ref.id)
-        if self.take_locally is not None:
+        if self.local is not None:
             by_queue = {q: rest for q, ids in by_queue.items()
-                        if (rest := self.take_locally(q, ids))}
+                        if (rest := self.local.take_locally(q, ids))}
         try:
             await self.transport.publish_wakeups(by_queue, rate=self.settings.reclaim_rate)
         except Unroutable as exc:
@@ -83,21 +95,35 @@ class Reaper:
                 log.exception("reaper sweep failed")
 
     async def reap_dead(self) -> int:
-        """Free the triggers of consumers whose lease expired; quarantine proven killers.
+        """Take over (a consumer) or free the triggers of consumers whose lease expired;
+        quarantine proven killers.
 
-        In batches of ``reap_batch``, each re-sent before the next is freed: the claims of
-        a million reclaimed triggers overlap their freeing instead of waiting for all of it.
+        In batches of ``reap_batch``, each started or re-sent before the next is rewritten:
+        a million reclaimed triggers start running while the rest are still being taken.
         """
         batch, total = self.settings.reap_batch, 0
         while True:
-            reaped = await self.store.reap_dead(self.queues, self.settings.max_failures, batch)
+            reaped = await self._reap_batch(batch)
             await self._reaped(reaped)
-            total += len(reaped.freed)
-            if len(reaped.freed) < batch:
+            n = len(reaped.freed) + len(reaped.taken)
+            total += n
+            if n < batch:
                 return total
 
+    async def _reap_batch(self, batch: int) -> Reaped:
+        max_failures = self.settings.max_failures
+        if self.local is None:
+            return await self.store.reap_dead(self.queues, max_failures, batch)
+        async with self.local.taking() as taker:
+            reaped = await self.store.reap_dead(self.queues, max_failures, batch, taker)
+            if reaped.taken:
+                assert taker is not None
+                get_metrics().taken_over.add(len(reaped.taken))
+                await self.local.adopt(taker, reaped.taken)
+            return reaped
+
     async def _reaped(self, reaped: Reaped) -> None:
-        if not reaped.freed:
+        if not reaped.freed and not reaped.taken:
             return
         m = get_metrics()
         for t in reaped.freed:
@@ -108,12 +134,13 @@ class Reaper:
                     t.id, t.classpath, t.failures,
                     extra={"trigger_id": t.id, "queue": t.queue, "trigger_class": t.classpath},
                 )
+        n, taken = len(reaped.freed) + len(reaped.taken), len(reaped.taken)
         if reaped.dead_owners:
-            log.info("reclaimed %d triggers from %d dead consumer(s)", len(reaped.freed),
-                     reaped.dead_owners)
+            log.info("reclaimed %d triggers (%d taken over here) from %d dead consumer(s)",
+                     n, taken, reaped.dead_owners)
         else:  # the dead row stays until its last batch
-            log.info("reclaimed %d triggers of dead consumers (a batch; more follow)",
-                     len(reaped.freed))
+            log.info("reclaimed %d triggers (%d taken over here) of dead consumers (a batch; "
+                     "more follow)", n, taken)
         await self._resend([TriggerRef(t.id, t.queue) for t in reaped.freed if not t.quarantined],
                            "dead_owner")
 

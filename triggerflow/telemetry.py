@@ -123,6 +123,10 @@ class Metrics:
         self.resent = m.create_counter(
             "triggerflow.reaper.resent", description="Triggers re-sent by the reaper by cause"
         )
+        self.taken_over = m.create_counter(
+            "triggerflow.reaper.taken_over",
+            description="Triggers of dead consumers taken over by the reaping consumer",
+        )
         self.quarantined = m.create_counter(
             "triggerflow.reaper.quarantined", description="Triggers quarantined"
         )

@@ -28,7 +28,10 @@ RETURNING
     (SELECT count(*) FROM {SCHEMA}.consumer c
      WHERE c.kind = 'consumer' AND c.expires_at > now()
        AND c.queues @> $4::text[] AND c.queues <@ $4::text[]) AS live_peers,
-    (SELECT coalesce(sum(c.running), 0) FROM {SCHEMA}.consumer c
+    -- my own row as this renewal writes it: RETURNING's subqueries see it as it was
+    -- (0 right after a claim of thousands made me shed them all to a peer with none)
+    (SELECT coalesce(sum(CASE WHEN c.id = $1 THEN $3 ELSE c.running END), 0)
+     FROM {SCHEMA}.consumer c
      WHERE c.kind = 'consumer' AND c.expires_at > now()
        AND c.queues @> $4::text[] AND c.queues <@ $4::text[]) AS peers_running
 """

@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import logging
 from collections import defaultdict
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
 from triggerflow.consumer.freezer import Freezer
@@ -29,7 +29,14 @@ from triggerflow.model import EventKind, FailureReason
 from triggerflow.reaper import Reaper
 from triggerflow.runner import Held, TriggerRunner, failure
 from triggerflow.settings import Settings
-from triggerflow.store import ProcessKind, Store, StoreError, TriggerRef, TriggerSpec
+from triggerflow.store import (
+    ProcessKind,
+    Store,
+    StoreError,
+    Taker,
+    TriggerRef,
+    TriggerSpec,
+)
 from triggerflow.telemetry import get_metrics
 from triggerflow.transport import Delivery, Transport, TransportError
 from triggerflow.transport.subscriptions import Subscriptions
@@ -68,7 +75,7 @@ class Consumer:
         self.outcomes = Outcomes(self.sink, self.lease, settings, on_fired=self._on_fired,
                                 encode=encode)
         self.runner = TriggerRunner(self.outcomes.emit)
-        self.reaper = Reaper(store, transport, settings, take_locally=self._take_locally)
+        self.reaper = Reaper(store, transport, settings, local=self)
         self.subscriptions = Subscriptions(
             transport, prefetch=settings.prefetch,
             check_interval=settings.subscription_check_interval.total_seconds())
@@ -194,7 +201,26 @@ class Consumer:
     def _room(self) -> int:
         return max(0, self.settings.capacity - len(self.runner) - self._pending_ids)
 
-    def _take_locally(self, queue: str, ids: list[int]) -> list[int]:
+    # -- the reaper's side (reaper.Local) ---------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def taking(self) -> AsyncIterator[Taker | None]:
+        """While the reaper takes dead peers' triggers over: no claim, no shutdown's release
+        in between (a take-over committed after it would strand them on our dead row)."""
+        async with self._claim_lock:
+            room = self._room()
+            yield (Taker(self.me, room) if room and not self._stopping and self.lease.valid()
+                   else None)
+
+    async def adopt(self, taker: Taker, specs: list[TriggerSpec]) -> None:
+        if taker.me != self.me or not self.lease.valid():
+            # Fenced while the take-over ran: nobody runs what it took under the old id.
+            with contextlib.suppress(StoreError, TransportError):  # else the reaper's later
+                await self._republish(await self.store.release(taker.me, [s.id for s in specs]))
+            return
+        await self._start_all(specs)
+
+    def take_locally(self, queue: str, ids: list[int]) -> list[int]:
         """Queue freed triggers for our own claim loop; return what does not fit."""
         if queue not in self.queues or self._stopping:
             return ids
@@ -296,12 +322,15 @@ class Consumer:
             self.probation.suspects.set()
         if found.refused:  # we cannot load these: back to the queue for a consumer that can
             self._spawn(self._pass_on(found.refused))
-        self.metrics.claimed.add(len(found.claimed))
-        for i, spec in enumerate(found.claimed):
+        await self._start_all(found.claimed)
+
+    async def _start_all(self, specs: list[TriggerSpec]) -> None:
+        self.metrics.claimed.add(len(specs))
+        for i, spec in enumerate(specs):
             self._start(spec)  # never raises: one bad trigger must not strand the rest
             if i % 500 == 499:
                 await asyncio.sleep(0)
-        self.freezer.started(len(found.claimed))
+        self.freezer.started(len(specs))
         self._update_flow()
 
     def _fit_to_room(self, batch: list[Wakeup]) -> tuple[list[int], dict[str, list[int]]]:

@@ -19,6 +19,7 @@ from triggerflow.store.interface import (
     Store,
     StoreError,
     StoreUnavailable,
+    Taker,
     TriggerRef,
     TriggerSpec,
 )
@@ -38,6 +39,7 @@ __all__ = [
     "Store",
     "StoreError",
     "StoreUnavailable",
+    "Taker",
     "TriggerRef",
     "TriggerSpec",
 ]

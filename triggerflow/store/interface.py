@@ -118,9 +118,22 @@ class FreedTrigger:
 
 
 @dataclass(frozen=True, slots=True)
+class Taker:
+    """A reaping consumer that takes dead peers' triggers over in the reaping rewrite: at
+    most ``room``, of the reaper's queues, not suspects, not refused by ``me`` before."""
+
+    me: int
+    room: int
+
+
+@dataclass(frozen=True, slots=True)
 class Reaped:
+    """``freed``: now unowned, to re-send (unless quarantined); ``taken``: owned by the
+    taker now, at a raised attempt, to start. ``dead_owners``: consumer rows gone."""
+
     freed: list[FreedTrigger]
     dead_owners: int
+    taken: list[TriggerSpec] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -235,9 +248,11 @@ class Store(Protocol):
     # -- reaper (``queues`` None: every queue) --------------------------------------------
 
     async def reap_dead(self, queues: Sequence[str] | None, max_failures: int,
-                        limit: int | None = None) -> Reaped:
+                        limit: int | None = None, taker: Taker | None = None) -> Reaped:
         """Free the triggers of expired owners, blaming and quarantining as probation says;
-        at most ``limit`` a call where the store batches (fewer freed: none are left)."""
+        at most ``limit`` a call where the store batches (fewer returned: none are left).
+        With a ``taker`` (``queues`` given), what it may run becomes its own instead of
+        free; a store may also take none and free them all."""
         ...
 
     async def resend_unclaimed(self, queues: Sequence[str] | None, grace: float,

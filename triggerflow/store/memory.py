@@ -31,6 +31,7 @@ from triggerflow.store.interface import (
     ProcessKind,
     Reaped,
     Renewal,
+    Taker,
     TriggerRef,
     TriggerSpec,
 )
@@ -320,7 +321,8 @@ class MemoryStore:
     # -- reaper ----------------------------------------------------------------------------
 
     async def reap_dead(self, queues: Sequence[str] | None, max_failures: int,
-                        limit: int | None = None) -> Reaped:  # all at once: no batches here
+                        limit: int | None = None, taker: Taker | None = None) -> Reaped:
+        # all at once: no batches here
         now = self.clock()
         dead = {pid: p for pid, p in self.processes.items() if p.expires_at < now
                 and (queues is None or set(p.queues) & set(queues))}
@@ -328,8 +330,10 @@ class MemoryStore:
         witnessed = {pid: any(other != pid and p.expires_at > now and p.started_at < d.expires_at
                               and p.ttl <= d.ttl for other, p in self.processes.items())
                      for pid, d in dead.items()}
-        freed = []
-        for t in self.triggers.values():
+        freed: list[FreedTrigger] = []
+        taken: list[TriggerSpec] = []
+        room = taker.room if taker else 0
+        for t in sorted(self.triggers.values(), key=lambda t: t.id):
             owner = dead.get(t.owner) if t.owner is not None else None
             if owner is None or t.owner is None:
                 continue
@@ -343,10 +347,14 @@ class MemoryStore:
             t.owner, t.dispatched_at = None, now
             if t.quarantined:
                 self._fail_quarantined(t)
+            elif (taker is not None and queues is not None and t.queue in queues
+                  and t.failures < 2 and taker.me not in t.rejected_by and len(taken) < room):
+                taken.append(self._take(t, taker.me))
+                continue
             freed.append(FreedTrigger(t.id, t.queue, t.classpath, t.failures, t.quarantined))
         for pid in dead:
             del self.processes[pid]
-        return Reaped(freed, len(dead))
+        return Reaped(freed, len(dead), taken)
 
     def _fail_quarantined(self, t: StoredTrigger) -> None:
         task = self._task_on(t.id)

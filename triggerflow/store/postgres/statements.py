@@ -100,7 +100,9 @@ RETURNING
          WHERE c.kind = 'consumer' AND c.expires_at > now()
            AND c.queues @> $4::text[] AND c.queues <@ $4::text[])
     ELSE 0 END AS live_peers,
-    CASE WHEN $5 THEN (SELECT coalesce(sum(c.running), 0) FROM consumer c
+    -- my own row as this renewal writes it: RETURNING's subqueries see it as it was
+    -- (0 right after a claim of thousands made me shed them all to a peer with none)
+    CASE WHEN $5 THEN (SELECT coalesce(sum(CASE WHEN c.id = $1 THEN $3 ELSE c.running END), 0) FROM consumer c
          WHERE c.kind = 'consumer' AND c.expires_at > now()
            AND c.queues @> $4::text[] AND c.queues <@ $4::text[])
     ELSE 0 END AS peers_running
@@ -322,11 +324,12 @@ SELECT kind, queue, latency FROM moved
 # Consumers whose lease expired: free their triggers for re-sending. An ungraceful loss
 # counts against the triggers to blame (those on probation if any, else all); a trigger
 # blamed alone, or too often, is quarantined and its task failed naming the class.
-# At most $4 triggers a statement: a consumer that held a million is freed in batches, each
-# re-sent (or claimed by the reaping consumer) while the next is freed, instead of one
-# statement rewriting a million rows before anyone may claim the first. The dead row stays
-# (locked by each batch, so two reapers never free the same triggers) until a batch frees
-# its last trigger.
+# A reaping consumer ($5, with room for $6) takes the triggers it may run over in the same
+# rewrite: of its queues ($1), not suspects after this loss, not refused by it. Freeing and
+# then claiming rewrote every row twice, which made the failover of a million twice as long.
+# At most $4 triggers a statement: a consumer that held a million is taken over in batches,
+# each started (or re-sent) while the next is rewritten. The dead row stays (locked by each
+# batch, so two reapers never free the same triggers) until a batch frees its last trigger.
 REAP_DEAD = """
 WITH dead AS (
     -- witnessed: another process kept one row valid across this one's expiry with a lease
@@ -344,23 +347,41 @@ WITH dead AS (
 ), blamed AS (
     -- each dead owner's triggers by trigger_owner (a lateral lookup: a join let the planner
     -- hash all of trigger, a million rows each batch)
-    SELECT t.id, t.owner_id,
+    SELECT t.id, t.owner_id, t.queue, t.failures, t.rejected_by,
            d.witnessed AND (cardinality(d.probation) = 0 OR t.id = ANY(d.probation)) AS blame,
            d.probation = ARRAY[t.id] AS alone
     FROM dead d CROSS JOIN LATERAL (
-        SELECT t.id, t.owner_id FROM trigger t WHERE t.owner_id = d.id LIMIT $4) t
+        SELECT t.id, t.owner_id, t.queue, t.failures, t.rejected_by
+        FROM trigger t WHERE t.owner_id = d.id LIMIT $4) t
     LIMIT $4
+), judged AS (
+    SELECT b.id, b.owner_id, b.blame,
+           b.blame AND (b.alone OR b.failures + 1 >= $3) AS quarantine,
+           $5::bigint IS NOT NULL AND b.queue = ANY($1::text[])
+               AND b.failures + b.blame::int < 2
+               AND NOT coalesce($5::bigint = ANY(b.rejected_by), false) AS takeable
+    FROM blamed b
+), fate AS (
+    SELECT j.*, j.takeable AND NOT j.quarantine
+               AND row_number() OVER (PARTITION BY j.takeable ORDER BY j.id) <= $6 AS take
+    FROM judged j
 ), freed AS (
-    UPDATE trigger t SET owner_id = NULL, dispatched_at = now(),
-        failures = t.failures + b.blame::int,
-        quarantined_at = CASE WHEN b.blame AND (b.alone OR t.failures + 1 >= $3) THEN now() END,
-        last_error = CASE WHEN b.blame
+    UPDATE trigger t SET
+        owner_id = CASE WHEN f.take THEN $5::bigint END,
+        attempt = t.attempt + f.take::int,
+        claimed_at = CASE WHEN f.take THEN now() ELSE t.claimed_at END,
+        dispatched_at = now(),
+        failures = t.failures + f.blame::int,
+        quarantined_at = CASE WHEN f.quarantine THEN now() END,
+        last_error = CASE WHEN f.blame
             THEN format('consumer %s died while running it (%s ungraceful losses)',
-                        b.owner_id, t.failures + 1)
+                        f.owner_id, t.failures + 1)
             ELSE t.last_error END
-    -- by trigger_pkey: "= ANY" of the batch's ids, not a hash of the whole table
-    FROM blamed b WHERE t.id = b.id AND t.id = ANY(ARRAY(SELECT id FROM blamed))
-    RETURNING t.id, t.queue, t.classpath, t.failures, t.quarantined_at IS NOT NULL AS quarantined
+    -- by trigger_pkey: "= ANY" of the batch's ids, not a hash of the whole table; and only
+    -- while the dead consumer still owns it (a claim may have taken it meanwhile)
+    FROM fate f WHERE t.id = f.id AND t.owner_id = f.owner_id
+      AND t.id = ANY(ARRAY(SELECT id FROM blamed))
+    RETURNING t.*, f.take
 ), failed AS (
     UPDATE task_instance ti SET state = 'scheduled', next_method = '__fail__',
         next_kwargs = jsonb_build_object(
@@ -369,16 +390,22 @@ WITH dead AS (
                               'time(s) while running it', f.id, f.classpath, f.failures),
             'deferred_next_method', ti.next_method, 'deferred_next_kwargs', ti.next_kwargs),
         trigger_timeout = NULL, updated_at = clock_timestamp()
-    FROM freed f WHERE f.quarantined AND ti.trigger_id = f.id AND ti.state = 'deferred'
-      AND ti.trigger_id = ANY(ARRAY(SELECT id FROM freed WHERE quarantined))
+    FROM freed f WHERE f.quarantined_at IS NOT NULL AND ti.trigger_id = f.id
+      AND ti.state = 'deferred'
+      AND ti.trigger_id = ANY(ARRAY(SELECT id FROM freed WHERE quarantined_at IS NOT NULL))
 ), gone AS (
     -- a batch short of the limit freed everything the dead held
     DELETE FROM consumer WHERE id IN (SELECT id FROM dead)
       AND (SELECT count(*) FROM blamed) < $4
     RETURNING id
 )
-SELECT id, queue, classpath, failures, quarantined, (SELECT count(*) FROM gone) AS dead
-FROM freed
+-- the claim's columns for what this consumer took (kwargs only for those)
+SELECT c.id, c.attempt, c.classpath, CASE WHEN c.take THEN c.kwargs END AS kwargs, c.queue,
+       c.failures, c.traceparent, extract(epoch FROM c.timeout_at)::float8 AS timeout_at,
+       format('%s.%s@%s', ti.dag_id, ti.task_id, ti.run_id) AS task,
+       c.take AS taken, c.quarantined_at IS NOT NULL AS quarantined,
+       (SELECT count(*) FROM gone) AS dead
+FROM freed c LEFT JOIN task_instance ti ON c.take AND ti.trigger_id = c.id
 """
 
 # Triggers nobody claimed within the grace period (a publish lost after commit, a consumer

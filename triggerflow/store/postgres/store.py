@@ -33,6 +33,7 @@ from triggerflow.store.interface import (
     Renewal,
     StoreError,
     StoreUnavailable,
+    Taker,
     TriggerRef,
     TriggerSpec,
 )
@@ -245,12 +246,16 @@ class PostgresStore:
     # -- reaper ----------------------------------------------------------------------------
 
     async def reap_dead(self, queues: Sequence[str] | None, max_failures: int,
-                        limit: int | None = None) -> Reaped:
+                        limit: int | None = None, taker: Taker | None = None) -> Reaped:
+        if taker is not None and queues is None:
+            raise ValueError("a taker reaps only its own queues")
         rows = await self._fetch(sql.REAP_DEAD, *_scope(queues), max_failures,
-                                 limit or 2**31 - 1)
+                                 limit or 2**31 - 1, taker and taker.me,
+                                 taker.room if taker else 0)
         freed = [FreedTrigger(r["id"], r["queue"], r["classpath"], r["failures"],
-                              r["quarantined"]) for r in rows]
-        return Reaped(freed, rows[0]["dead"] if rows else 0)
+                              r["quarantined"]) for r in rows if not r["taken"]]
+        taken = [self._spec(r) for r in rows if r["taken"]]
+        return Reaped(freed, rows[0]["dead"] if rows else 0, taken)
 
     async def resend_unclaimed(self, queues: Sequence[str] | None, grace: float,
                                limit: int) -> list[TriggerRef]:
