@@ -28,7 +28,7 @@ RETURNING
     (SELECT count(*) FROM {SCHEMA}.consumer c
      WHERE c.kind = 'consumer' AND c.expires_at > now()
        AND c.queues @> $4::text[] AND c.queues <@ $4::text[]) AS live_peers,
-    -- my own row as this renewal writes it: RETURNING's subqueries see it as it was
+    -- my own row as this renewal writes it: subqueries of RETURNING see it as it was
     -- (0 right after a claim of thousands made me shed them all to a peer with none)
     (SELECT coalesce(sum(CASE WHEN c.id = $1 THEN $3 ELSE c.running END), 0)
      FROM {SCHEMA}.consumer c

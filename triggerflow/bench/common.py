@@ -180,9 +180,13 @@ _LITERAL = re.compile(r"'(?:[^']|'')*'|\$\d+|\b\d+(?:\.\d+)?\b|\b(?:NULL|true|fa
                       re.IGNORECASE)
 
 
+_COMMENT = re.compile(r"--[^\n]*")
+
+
 def _shape(sql: str) -> str:
-    """pg_stat_statements replaces literals by $n: compare statements with both erased."""
-    return _norm(_LITERAL.sub("?", sql)).rstrip(";")
+    """pg_stat_statements replaces literals by $n: compare statements with both erased (and
+    comments, whose apostrophes would otherwise pair up as literals)."""
+    return _norm(_LITERAL.sub("?", _COMMENT.sub("", sql))).rstrip(";")
 
 
 def _with_user(dsn: str, user: str) -> str:

@@ -218,7 +218,16 @@ class Consumer:
             with contextlib.suppress(StoreError, TransportError):  # else the reaper's later
                 await self._republish(await self.store.release(taker.me, [s.id for s in specs]))
             return
-        await self._start_all(specs)
+        # Started while the reaper's next batch is rewritten (the database works meanwhile);
+        # pending until then, so the next batch leaves room for them.
+        self._pending_ids += len(specs)
+        self._spawn(self._start_adopted(specs))
+
+    async def _start_adopted(self, specs: list[TriggerSpec]) -> None:
+        try:
+            await self._start_all(specs)
+        finally:
+            self._pending_ids -= len(specs)
 
     def take_locally(self, queue: str, ids: list[int]) -> list[int]:
         """Queue freed triggers for our own claim loop; return what does not fit."""
@@ -330,6 +339,8 @@ class Consumer:
             self._start(spec)  # never raises: one bad trigger must not strand the rest
             if i % 500 == 499:
                 await asyncio.sleep(0)
+                if self._stopping:  # the rest stay ours in the store: shutdown hands them back
+                    break
         self.freezer.started(len(specs))
         self._update_flow()
 

@@ -100,9 +100,11 @@ RETURNING
          WHERE c.kind = 'consumer' AND c.expires_at > now()
            AND c.queues @> $4::text[] AND c.queues <@ $4::text[])
     ELSE 0 END AS live_peers,
-    -- my own row as this renewal writes it: RETURNING's subqueries see it as it was
+    -- my own row as this renewal writes it: subqueries of RETURNING see it as it was
     -- (0 right after a claim of thousands made me shed them all to a peer with none)
-    CASE WHEN $5 THEN (SELECT coalesce(sum(CASE WHEN c.id = $1 THEN $3 ELSE c.running END), 0) FROM consumer c
+    CASE WHEN $5 THEN (
+         SELECT coalesce(sum(CASE WHEN c.id = $1 THEN $3 ELSE c.running END), 0)
+         FROM consumer c
          WHERE c.kind = 'consumer' AND c.expires_at > now()
            AND c.queues @> $4::text[] AND c.queues <@ $4::text[])
     ELSE 0 END AS peers_running
@@ -399,7 +401,7 @@ WITH dead AS (
       AND (SELECT count(*) FROM blamed) < $4
     RETURNING id
 )
--- the claim's columns for what this consumer took (kwargs only for those)
+-- the columns of a claim for what this consumer took (kwargs only for those)
 SELECT c.id, c.attempt, c.classpath, CASE WHEN c.take THEN c.kwargs END AS kwargs, c.queue,
        c.failures, c.traceparent, extract(epoch FROM c.timeout_at)::float8 AS timeout_at,
        format('%s.%s@%s', ti.dag_id, ti.task_id, ti.run_id) AS task,
