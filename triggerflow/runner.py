@@ -18,6 +18,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+from triggerflow.loop import HeapTimedTask
 from triggerflow.model import EventKind, FailureReason
 from triggerflow.triggers.base import BaseTrigger, TimerTrigger, TriggerEvent, usable_deadline
 
@@ -81,7 +82,7 @@ _unregister_task: Callable[[asyncio.Task[Any]], None] = getattr(
     asyncio.tasks, "_unregister_task", lambda task: None)
 
 
-class _TriggerTask(asyncio.Task):  # type: ignore[type-arg]
+class _TriggerTask(HeapTimedTask):
     """A coroutine trigger waiting for its first event, and what ending it needs.
 
     It steps the trigger's ``run().__anext__()`` itself: no wrapper coroutine and frame per
@@ -94,6 +95,21 @@ class _TriggerTask(asyncio.Task):  # type: ignore[type-arg]
     agen: Any
     held: Held
     trigger: BaseTrigger
+
+
+def _first_step(agen: Any) -> Any:
+    """``agen.__anext__()`` without the loop's first-iteration hook: asyncio would keep every
+    trigger's generator in a WeakSet of its own (~185 B each) to close them at shutdown; the
+    runner closes its triggers itself. The finalizer hook stays (a generator dropped while
+    suspended is still closed on the loop)."""
+    firstiter, finalizer = sys.get_asyncgen_hooks()
+    if firstiter is None:
+        return agen.__anext__()
+    sys.set_asyncgen_hooks(firstiter=None, finalizer=finalizer)
+    try:
+        return agen.__anext__()
+    finally:
+        sys.set_asyncgen_hooks(firstiter=firstiter, finalizer=finalizer)
 
 
 def _is_heap_timer(trigger: BaseTrigger) -> bool:
@@ -141,7 +157,7 @@ class TriggerRunner:
             when = deadline if held.timeout_at is None else min(deadline, held.timeout_at)
         else:
             agen = trigger.run()
-            task = _TriggerTask(agen.__anext__(),  # type: ignore[arg-type] # a coroutine by ABC
+            task = _TriggerTask(_first_step(agen),  # a coroutine by ABC
                                 loop=asyncio.get_running_loop(), name=_TASK_NAME)
             # asyncio keeps every task in a process-wide WeakSet for all_tasks() (~130-200 B
             # each at 10k, tracemalloc); held.task keeps ours and cancel() stops them all.

@@ -144,8 +144,8 @@ class Writer:
     async def _apply_loop(self) -> None:
         # Up to writer_concurrency batches at once: while one commits (an fsync) the next is
         # already applying, as a profile of a 10,000-event burst showed the single loop idle
-        # between statements. Each statement locks its triggers in id order, so concurrent
-        # batches do not deadlock; a trigger in both is applied once, by the first.
+        # between statements. Each statement deletes its triggers in id order (a batch is
+        # sorted), so concurrent batches do not deadlock; a trigger in both is applied once.
         while True:
             first = await self._inbox.get()
             await self._slots.acquire()

@@ -91,11 +91,9 @@ def build_settings(values: dict[str, Any]) -> Settings:
 
 
 def run_async(main: Coroutine[Any, Any, int | None]) -> int:
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run(main) or 0
-    return uvloop.run(main) or 0
+    from triggerflow.loop import run
+
+    return run(main) or 0  # uvloop, with the long waits of coroutine triggers on one heap
 
 
 def stop_on_signals() -> asyncio.Event:
