@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 SHARED_FROM = 1.0  # seconds: shorter waits are in flight, not held
+_SLEEP_DONE = getattr(asyncio.futures, "_set_result_unless_cancelled", None)
 _COMPACT_MIN = 100  # cancelled entries before the heap is rebuilt without them
 
 
@@ -36,7 +37,7 @@ class SharedTimer:
     __slots__ = ("_args", "_callback", "_cancelled", "_context", "_loop", "_when")
 
     def __init__(self, when: float, callback: Callable[..., object], args: tuple[Any, ...],
-                 context: contextvars.Context, loop: SharedTimers | None) -> None:
+                 context: contextvars.Context | None, loop: SharedTimers | None) -> None:
         self._when = when
         self._callback: Callable[..., object] | None = callback
         self._args = args
@@ -82,7 +83,11 @@ class SharedTimers:
 
     def _share(self, when: float, callback: Callable[..., object], args: tuple[Any, ...],
                context: contextvars.Context | None) -> SharedTimer:
-        timer = SharedTimer(when, callback, args, context or contextvars.copy_context(), self)
+        if context is None and callback is not _SLEEP_DONE:
+            context = contextvars.copy_context()
+        # asyncio.sleep's callback only resolves its future: it runs the same in any context,
+        # so a sleeping trigger keeps no context copy of its own (~72 B each)
+        timer = SharedTimer(when, callback, args, context, self)
         heapq.heappush(self._heap, timer)
         if self._armed is None or when < self._armed_at:
             self._arm(when)
