@@ -483,3 +483,30 @@ async def test_claimed_triggers_start_even_when_the_overflow_republish_fails(
         # The overflow was not lost: its wake-up went back to the queue.
         assert sum(len(decode_wakeup(m.body)) for m in mem.broker.ready(QUEUE)) + len(
             consumer.transport._unacked) >= 1  # type: ignore[attr-defined]
+
+
+async def test_the_memory_store_takes_over_as_the_postgres_one_does() -> None:
+    """Mirror of test_stuck_faults.py's take-over test on the fake the loop tests use."""
+    from triggerflow.store import ProcessKind, Taker
+    from triggerflow.testing import ManualClock
+
+    clock = ManualClock()
+    mem = InMemory.with_clock(clock)
+    mem.broker.declare(QUEUE)
+    async with mem.client(fast_settings()) as client:
+        mine = await client.defer_many([_far(i) for i in range(6)])
+    store = mem.store
+    dead = await store.register(ProcessKind.CONSUMER, "h", 1, [QUEUE], 10, "v", ttl=1)
+    assert len((await store.claim(dead, mine, [QUEUE])).claimed) == 6
+    peer = await store.register(ProcessKind.CONSUMER, "h", 2, [QUEUE], 10, "v", ttl=1)
+    store.triggers[mine[0]].rejected_by.add(peer)
+    store.triggers[mine[1]].failures = 1
+    clock.advance(0.6)
+    await store.renew(peer, 1, 0, [QUEUE])
+    clock.advance(0.6)
+    reaped = await store.reap_dead([QUEUE], 30, None, Taker(peer, room=3))
+    assert [t.id for t in reaped.taken] == mine[2:5]
+    assert {t.attempt for t in reaped.taken} == {2}
+    assert sorted(f.id for f in reaped.freed) == sorted([mine[0], mine[1], mine[5]])
+    assert [store.triggers[i].owner for i in mine] == [None, None, peer, peer, peer, None]
+    assert store.triggers[mine[1]].failures == 2

@@ -26,7 +26,7 @@ from tests.triggers import WaitsForever
 from triggerflow.model import TaskKey
 from triggerflow.sdk import Deferral, TriggerflowClient
 from triggerflow.settings import Settings
-from triggerflow.store import NewDeferral, ProcessKind
+from triggerflow.store import NewDeferral, ProcessKind, Taker
 from triggerflow.store.postgres import Database, PostgresStore
 from triggerflow.transport.rabbitmq import Topology
 from triggerflow.triggers import DateTimeTrigger
@@ -107,6 +107,36 @@ async def test_an_outage_that_expires_every_lease_blames_no_trigger(
     assert await db.fetchval("SELECT min(failures) FROM trigger") == 1
 
 
+async def test_a_take_over_keeps_only_what_the_reaper_may_run(
+    store: PostgresStore, db: Database,
+) -> None:
+    """The reaping consumer takes over, in one rewrite, the dead consumer's triggers of its
+    own queues that it has room for, that it did not refuse and that are no suspects after
+    this loss; the rest are freed for others as before."""
+    mine = await store.defer(_rows(6))
+    other = await store.defer(_rows(2, queue="other-q", dag="o"))
+    dead = await store.register(ProcessKind.CONSUMER, "h", 1, [Q, "other-q"], 10, "v", ttl=1)
+    assert len((await store.claim(dead, mine + other, [Q, "other-q"])).claimed) == 8
+    peer = await store.register(ProcessKind.CONSUMER, "h", 2, [Q], 10, "v", ttl=1)
+    refused, suspect = mine[0], mine[1]
+    await db.execute("UPDATE trigger SET rejected_by = ARRAY[$1::bigint] WHERE id = $2",
+                     peer, refused)
+    await db.execute("UPDATE trigger SET failures = 1 WHERE id = $1", suspect)
+    await asyncio.sleep(0.6)
+    await store.renew(peer, 1, 0, [Q])  # a witness on as short a lease: the loss counts
+    await asyncio.sleep(0.6)
+    reaped = await store.reap_dead([Q], 30, None, Taker(peer, room=3))
+    assert [t.id for t in reaped.taken] == mine[2:5]  # the first 3 by id it may run
+    assert {t.attempt for t in reaped.taken} == {2} and reaped.taken[0].kwargs is not None
+    assert sorted(f.id for f in reaped.freed) == sorted([refused, suspect, mine[5], *other])
+    assert reaped.dead_owners == 1
+    owners = dict(await db.fetch("SELECT id, owner_id FROM trigger"))
+    assert {i for i, o in owners.items() if o == peer} == set(mine[2:5])
+    assert {i for i, o in owners.items() if o is None} == {refused, suspect, mine[5], *other}
+    assert await db.fetchval("SELECT failures FROM trigger WHERE id = $1", suspect) == 2
+    assert await db.fetchval("SELECT min(failures) FROM trigger") == 1  # all blamed once
+
+
 async def test_probation_claims_at_most_the_free_capacity(
     store: PostgresStore, db: Database,
 ) -> None:
@@ -143,7 +173,7 @@ async def test_a_refused_trigger_nobody_live_can_load_is_failed_naming_the_class
 ) -> None:
     [tid] = await store.defer(_rows(1))
     me = await store.register(ProcessKind.CONSUMER, "h", 1, [Q], 10, "v", ttl=30)
-    peer = await store.register(ProcessKind.CONSUMER, "h", 2, [Q], 10, "v", ttl=30)
+    peer = await store.register(ProcessKind.CONSUMER, "h", 2, [Q], 10, "v", ttl=1)
     await store.claim(me, [tid], [Q])
     await store.release(me, [tid], cannot_load=True, reason="cannot import x")
     assert await store.fail_unloadable(me, [tid]) == []  # the peer may still load it
