@@ -95,6 +95,9 @@ async def test_sigkill_of_a_big_holder_is_reaped_in_batches(
     first.send_signal(signal.SIGKILL)
     await wait_until(lambda: all_owned_by(db, second_id, 500), 15, interval=0.05,
                      message="peer holds all")
+    # the last batch's line is logged once its triggers are started, after the commit
+    await wait_until(lambda: asyncio.sleep(0, "from 1 dead consumer(s)" in procs.log(second)),
+                     10, message="the reaper logged its last batch")
     log = procs.log(second)
     assert log.count("(a batch; more follow)") == 3, log[-3000:]  # the witness: 3 + the last
     assert log.count("reclaimed 50 triggers (50 taken over here) from 1 dead consumer(s)") == 1
