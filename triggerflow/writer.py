@@ -1,7 +1,8 @@
 """The writer: events in -> batches -> one store transaction each -> one ack per batch.
 
 A batch is whatever arrived while the previous one was applied, up to ``writer_batch``
-events: an idle writer applies an event at once, a loaded one thousands per statement.
+events and shared among the free connections (``writer_concurrency``): an idle writer
+applies an event at once, a loaded one thousands per statement.
 Acks go out only after the commit. A batch the store refuses is split in halves until the
 bad event is found; that one is dead-lettered with the reason and the rest applied.
 Knows the store and the transport only by interface.
@@ -151,7 +152,13 @@ class Writer:
             await self._slots.acquire()
             batch = [self._decode(first)]
             size = len(batch[0].events)
-            while not self._inbox.empty() and size < self.settings.writer_batch:
+            # What is queued is shared among the free slots: one batch of all of it would
+            # finish last while another connection idles (a 10,000 burst's trace: 5,000 on
+            # one connection for 135 ms, 3,000 then 500 on the other).
+            free = max(1, self.settings.writer_concurrency - self._busy)
+            share = -(-(self._inbox.qsize() + 1) // free)  # messages, rounded up
+            while (not self._inbox.empty() and size < self.settings.writer_batch
+                   and len(batch) < share):
                 batch.append(self._decode(self._inbox.get_nowait()))
                 size += len(batch[-1].events)
             self._busy += 1
