@@ -429,7 +429,7 @@ async def test_rss_stays_flat_over_200k_short_coroutine_triggers() -> None:
 
     def emit(held: Held, kind: EventKind, payload: Any) -> None:
         nonlocal left
-        reconciler.fired(held.id, held.attempt)
+        reconciler.fired([held.id], [held.attempt])
         left -= 1
         if left == 0:
             batch_done.set()

@@ -164,6 +164,42 @@ async def test_runner_fires_a_big_instant_in_slices() -> None:
     assert seen_by_callback and 0 < seen_by_callback[0] < 5000
 
 
+async def test_runner_emits_the_timers_of_one_instant_together() -> None:
+    """A burst is built and stamped once per (class, instant), not once per timer; if that
+    batch emit raises, every timer still gets its own event, one at a time."""
+    groups: list[tuple[list[int], Any]] = []
+    singles: list[tuple[int, EventKind]] = []
+    broken = False
+
+    def emit_many(helds: list[Held], kind: EventKind, payload: Any) -> None:
+        if broken:
+            raise RuntimeError("a bug in the batch path")
+        groups.append(([h.id for h in helds], payload))
+
+    runner = TriggerRunner(lambda held, kind, payload: singles.append((held.id, kind)),
+                           emit_many)
+    now = datetime.now(UTC)
+    first, second = now - timedelta(seconds=2), now - timedelta(seconds=1)
+    for i in range(600):
+        runner.start(Held(i, 1, "q", "c", None, None, None),
+                     DateTimeTrigger(first if i % 2 else second))
+    for _ in range(100):
+        if sum(len(ids) for ids, _ in groups) == 600:
+            break
+        await asyncio.sleep(0)
+    assert sorted(len(ids) for ids, _ in groups) == [300, 300] and not singles
+    assert {payload for _, payload in groups} == {first, second}  # the instants themselves
+    broken = True
+    for i in range(1000, 1100):
+        runner.start(Held(i, 1, "q", "c", None, None, None), DateTimeTrigger(first))
+    for _ in range(100):
+        if len(singles) == 100:
+            break
+        await asyncio.sleep(0)
+    assert sorted(i for i, _ in singles) == list(range(1000, 1100))
+    assert {k for _, k in singles} == {EventKind.RESUME} and len(runner) == 0
+
+
 class _UsesCurrentTask(BaseTrigger):
     """What Airflow triggers built on aiohttp need: a current task, asyncio.timeout()."""
 

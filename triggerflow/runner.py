@@ -57,6 +57,8 @@ class Held:
 
 Outcome = tuple[EventKind, Any]
 EmitFn = Callable[[Held, EventKind, Any], None]
+# One outcome for many triggers: the timers of one class due at one instant (a burst).
+EmitManyFn = Callable[[list[Held], EventKind, Any], None]
 
 
 def failure(reason: FailureReason, message: str, tb: str | None = None) -> dict[str, Any]:
@@ -120,8 +122,9 @@ def _is_heap_timer(trigger: BaseTrigger) -> bool:
 class TriggerRunner:
     """Starts, times out, cancels and finishes triggers; reports outcomes through ``emit``."""
 
-    def __init__(self, emit: EmitFn) -> None:
+    def __init__(self, emit: EmitFn, emit_many: EmitManyFn | None = None) -> None:
         self._emit = emit
+        self._emit_many = emit_many
         self.running: dict[int, Held] = {}
         self._heap: list[tuple[float, int, int]] = []  # (when, trigger id, attempt)
         self._stale = 0  # heap entries whose trigger ended before its time (lazy deletion)
@@ -193,6 +196,9 @@ class TriggerRunner:
         self._wakeup = None
         now = time.time()
         budget = _FIRE_SLICE
+        # Fired timers grouped by (class, deadline): a burst is mostly one group, whose event
+        # is built, validated and stamped once (per timer, that was ~3 us of a ~5 us fire).
+        due: dict[tuple[type[TimerTrigger], float], list[Held]] = {}
         try:
             # self._heap each time round: a compaction may replace the list meanwhile
             while self._heap and self._heap[0][0] <= now and budget:
@@ -204,23 +210,39 @@ class TriggerRunner:
                     continue  # finished or cancelled already (lazy deletion)
                 if held.deadline is not None and held.deadline <= now:
                     del self.running[trigger_id]
-                    self._fire_timer(held)
+                    assert held.timer_cls is not None
+                    group = due.get((held.timer_cls, held.deadline))
+                    if group is None:
+                        due[held.timer_cls, held.deadline] = [held]
+                    else:
+                        group.append(held)
                 elif held.timeout_at is not None and held.timeout_at <= now:
                     self._time_out(held)
         finally:  # whatever one trigger did, the heap keeps waking up for the others
+            for (timer_cls, deadline), helds in due.items():
+                self._fire_timers(timer_cls, deadline, helds)
             self._arm()  # still due: called again on the next loop pass, after I/O
 
-    def _fire_timer(self, held: Held) -> None:
-        assert held.timer_cls is not None and held.deadline is not None
-        timer_cls = held.timer_cls
+    def _fire_timers(self, timer_cls: type[TimerTrigger], deadline: float,
+                     helds: list[Held]) -> None:
         try:
-            payload = timer_cls.timer_payload(held.deadline)
+            payload = timer_cls.timer_payload(deadline)
         except Exception as exc:
-            self._emit_safely(held, EventKind.FAIL, failure(
-                FailureReason.TRIGGER_FAILURE,
-                f"trigger {held.classpath} could not build its event: {exc!r}"))
+            for held in helds:
+                self._emit_safely(held, EventKind.FAIL, failure(
+                    FailureReason.TRIGGER_FAILURE,
+                    f"trigger {held.classpath} could not build its event: {exc!r}"))
             return
-        self._emit_safely(held, timer_cls.timer_kind, payload)
+        kind = timer_cls.timer_kind
+        if self._emit_many is not None:
+            try:
+                self._emit_many(helds, kind, payload)
+                return
+            except Exception:  # one at a time instead: each gets its event or its failure
+                log.exception("emitting %d events of %s at once failed", len(helds),
+                              timer_cls.__qualname__)
+        for held in helds:
+            self._emit_safely(held, kind, payload)
 
     def _emit_safely(self, held: Held, kind: EventKind, payload: Any) -> None:
         """Emit; an outcome that cannot be emitted becomes a ``__fail__`` of its own task."""

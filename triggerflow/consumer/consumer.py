@@ -74,7 +74,7 @@ class Consumer:
         self.sink = EventSink(transport, settings)
         self.outcomes = Outcomes(self.sink, self.lease, settings, on_fired=self._on_fired,
                                 encode=encode)
-        self.runner = TriggerRunner(self.outcomes.emit)
+        self.runner = TriggerRunner(self.outcomes.emit, self.outcomes.emit_many)
         self.reaper = Reaper(store, transport, settings, local=self)
         self.subscriptions = Subscriptions(
             transport, prefetch=settings.prefetch,
@@ -445,8 +445,8 @@ class Consumer:
         if by_queue:
             await self.transport.publish_wakeups(by_queue)
 
-    def _on_fired(self, held: Held) -> None:
-        self.reconciler.fired(held.id, held.attempt)
+    def _on_fired(self, helds: Sequence[Held]) -> None:
+        self.reconciler.fired([h.id for h in helds], [h.attempt for h in helds])
         if self.subscriptions.paused:
             self._update_flow()
 

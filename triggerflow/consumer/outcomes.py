@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from triggerflow import telemetry
@@ -32,7 +32,7 @@ class Outcomes:
     """
 
     def __init__(self, sink: EventSink, lease: Lease, settings: Settings,
-                 on_fired: Callable[[Held], None], encode: EncodeFn | None = None) -> None:
+                 on_fired: Callable[[Sequence[Held]], None], encode: EncodeFn | None = None) -> None:
         self.sink = sink
         self.encode = encode
         self.lease = lease
@@ -42,7 +42,12 @@ class Outcomes:
         self._succeeded: dict[str, int] = {}  # queue -> fired since the last count flush
 
     def emit(self, held: Held, kind: EventKind, payload: Any) -> None:
-        if not self.lease.valid():
+        self.emit_many((held,), kind, payload)
+
+    def emit_many(self, helds: Sequence[Held], kind: EventKind, payload: Any) -> None:
+        """One outcome for several triggers (timers of one class due at one instant): encoded,
+        validated, stamped and counted once, not once per trigger."""
+        if not helds or not self.lease.valid():
             return
         if self.encode is not None:
             kind, payload = self.encode(kind, payload)
@@ -52,33 +57,38 @@ class Outcomes:
         except Exception as exc:  # PayloadError, or whatever else a payload's encoding raises
             reason = FailureReason.TRIGGER_FAILURE
             kind, fallback = EventKind.FAIL, failure(FailureReason.TRIGGER_FAILURE,
-                                                     f"{held.classpath}: {exc}")
+                                                     f"{helds[0].classpath}: {exc}")
             if self.encode is not None:
                 kind, fallback = self.encode(kind, fallback)
             text = validate_payload(fallback, 1 << 20)
         fired = time.time()
-        traceparent = None
-        if held.traceparent and tracing_enabled():
-            traceparent = self._fire_span(held, kind)
-        self.sink.add(Event(held.id, held.attempt, held.queue, str(kind), text, fired,
-                            traceparent))
+        traced = tracing_enabled()
+        add = self.sink.add
+        name = str(kind)
+        for held in helds:
+            traceparent = self._fire_span(held, kind) if traced and held.traceparent else None
+            add(Event(held.id, held.attempt, held.queue, name, text, fired, traceparent))
         if kind == EventKind.FAIL:
             if reason is None and isinstance(payload, dict):
                 reason = payload.get("error")
-            self.metrics.failed.add(
-                1, {"queue": held.queue, "reason": str(reason or FailureReason.TRIGGER_FAILURE)})
+            for held in helds:
+                self.metrics.failed.add(
+                    1, {"queue": held.queue, "reason": str(reason or FailureReason.TRIGGER_FAILURE)})
         else:
-            self._count_succeeded(held.queue)
+            self._count_succeeded(helds)
         if log.isEnabledFor(logging.DEBUG):
-            log.debug("fired %s", kind, extra=held.log_context())
-        self.on_fired(held)
+            for held in helds:
+                log.debug("fired %s", kind, extra=held.log_context())
+        self.on_fired(helds)
 
-    def _count_succeeded(self, queue: str) -> None:
+    def _count_succeeded(self, helds: Sequence[Held]) -> None:
         """Count per loop pass, not per event: a burst fires thousands in one pass, and a
         counter add costs ~1.6 us (16 ms of a 10,000-trigger burst)."""
         if not self._succeeded:
             asyncio.get_running_loop().call_soon(self._flush_counts)
-        self._succeeded[queue] = self._succeeded.get(queue, 0) + 1
+        counts = self._succeeded
+        for held in helds:
+            counts[held.queue] = counts.get(held.queue, 0) + 1
 
     def _flush_counts(self) -> None:
         counts, self._succeeded = self._succeeded, {}

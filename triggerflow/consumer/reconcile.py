@@ -49,15 +49,15 @@ class Reconciler:
         self._buckets: deque[_Bucket] = deque()
         self.lost = 0  # rows freed so far (read by tests and logs)
 
-    def fired(self, trigger_id: int, attempt: int) -> None:
+    def fired(self, ids: Sequence[int], attempts: Sequence[int]) -> None:
         now = asyncio.get_running_loop().time()
         me = self.me()
         last = self._buckets[-1] if self._buckets else None
         if last is None or last.owner != me or now - last.started > self.after / 4:
             last = _Bucket(now, me)
             self._buckets.append(last)
-        last.ids.append(trigger_id)
-        last.attempts.append(attempt)
+        last.ids.extend(ids)
+        last.attempts.extend(attempts)
 
     def tracked(self) -> int:
         return sum(len(b.ids) for b in self._buckets)
