@@ -211,11 +211,7 @@ class TriggerRunner:
                 if held.deadline is not None and held.deadline <= now:
                     del self.running[trigger_id]
                     assert held.timer_cls is not None
-                    group = due.get((held.timer_cls, held.deadline))
-                    if group is None:
-                        due[held.timer_cls, held.deadline] = [held]
-                    else:
-                        group.append(held)
+                    due.setdefault((held.timer_cls, held.deadline), []).append(held)
                 elif held.timeout_at is not None and held.timeout_at <= now:
                     self._time_out(held)
         finally:  # whatever one trigger did, the heap keeps waking up for the others

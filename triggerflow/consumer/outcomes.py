@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -71,9 +72,9 @@ class Outcomes:
         if kind == EventKind.FAIL:
             if reason is None and isinstance(payload, dict):
                 reason = payload.get("error")
-            for held in helds:
-                self.metrics.failed.add(
-                    1, {"queue": held.queue, "reason": str(reason or FailureReason.TRIGGER_FAILURE)})
+            label = str(reason or FailureReason.TRIGGER_FAILURE)
+            for queue, n in Counter(held.queue for held in helds).items():
+                self.metrics.failed.add(n, {"queue": queue, "reason": label})
         else:
             self._count_succeeded(helds)
         if log.isEnabledFor(logging.DEBUG):
@@ -87,8 +88,8 @@ class Outcomes:
         if not self._succeeded:
             asyncio.get_running_loop().call_soon(self._flush_counts)
         counts = self._succeeded
-        for held in helds:
-            counts[held.queue] = counts.get(held.queue, 0) + 1
+        for queue, n in Counter(held.queue for held in helds).items():
+            counts[queue] = counts.get(queue, 0) + n
 
     def _flush_counts(self) -> None:
         counts, self._succeeded = self._succeeded, {}
