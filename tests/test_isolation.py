@@ -83,6 +83,28 @@ async def test_unknown_event_kind_is_dead_lettered_and_never_becomes_a_state(
     assert await db.fetchval("SELECT state FROM task_instance") == "deferred"
 
 
+async def test_event_nested_past_the_servers_limits_is_refused_and_other_teams_go_on(
+    db: Database, procs: Processes, teams: list[str], settings: Settings,
+) -> None:
+    """Team A's own event with a payload nested 20,000 deep makes PostgreSQL raise "stack depth
+    limit exceeded" (SQLSTATE 54001): a refused event, dead-lettered, not a retry that stops
+    every writer while team B's events wait behind it."""
+    procs.writer()
+    own = await insert_trigger(db, "tests.triggers.EventAfter", "{}", teams[0], 1)
+    other = await insert_trigger(db, "tests.triggers.EventAfter", "{}", teams[1], 2)
+    deep = "[" * 20_000 + "]" * 20_000
+    await publish_raw(settings, teams[0], [Event(own, 0, teams[0], "resume", deep, time.time())])
+    await publish_raw(settings, teams[1], [Event(other, 0, teams[1], "resume", '{"ok": 1}', time.time())])
+    letters = await dead_letters(settings, 1)
+    assert letters and "stack depth" in letters[0][1]
+    assert await wait_until(lambda: db.fetchval(
+        "SELECT state = 'scheduled' FROM task_instance WHERE task_id = 't2'"), 10)
+    # A's own task ends in __fail__ naming the refusal, as the writer does for any refused event.
+    failed = await db.fetchrow("SELECT next_method, next_kwargs::text AS kw FROM task_instance "
+                               "WHERE task_id = 't1'")
+    assert failed["next_method"] == "__fail__" and "stack depth" in failed["kw"]
+
+
 async def test_store_ignores_an_unknown_kind_even_when_asked_directly(
     db: Database, teams: list[str], dsn: str,
 ) -> None:
