@@ -106,6 +106,16 @@ class BadPayload(_Simple):
             yield TriggerEvent({"text": "a\x00b"})
 
 
+class Mistaken(_Simple):
+    """Ends without a valid event: raises CancelledError itself, or yields None or a dict."""
+
+    async def run(self) -> AsyncIterator[TriggerEvent]:
+        mistake = self.kwargs["mistake"]
+        if mistake == "cancelled":
+            raise asyncio.CancelledError
+        yield None if mistake == "none" else {"status": "done"}  # type: ignore[misc]
+
+
 class NotATrigger:
     def __init__(self, **kwargs: Any) -> None:
         pass
