@@ -331,6 +331,44 @@ async def test_team_database_role_reaches_only_its_own_queues_rows(
     assert await db.fetchval("SELECT count(*) FROM trigger") == 2
 
 
+async def test_team_cannot_point_its_tasks_at_another_teams_trigger(
+    db: Database, dsn: str, procs: Processes, teams: list[str], settings: Settings,
+    topology: Topology,
+) -> None:
+    """Trigger ids share one sequence: team A's SDK role, row security and all, inserted task
+    rows in its own queue that named team B's trigger, read B's result when the writer applied
+    B's event, and had the reaper delete B's trigger through a past timeout. The database now
+    refuses any task row whose trigger is of another queue, inserted or updated."""
+    theirs = await insert_trigger(db, "tests.triggers.EventAfter", "{}", teams[1], 1)
+    async with team_role(db, dsn, teams[0]) as dsn_a:
+        team_a = Settings(**{**settings.model_dump(), "database_url": dsn_a})
+        async with TriggerflowClient(team_a) as c:
+            mine = await c.defer(TaskKey("a", "mine", "r"), EventAfter(), queue=teams[0])
+        conn = await asyncpg.connect(dsn_a)
+        try:
+            with pytest.raises(asyncpg.ForeignKeyViolationError, match="its own queue"):
+                await conn.execute(
+                    "INSERT INTO task_instance (dag_id, task_id, run_id, state, queue, "
+                    "next_method, trigger_id, trigger_timeout) VALUES ('a', 'spy', 'r', "
+                    "'deferred', $1, 'execute_complete', $2, now() - interval '1 hour')",
+                    teams[0], theirs)
+            with pytest.raises(asyncpg.ForeignKeyViolationError, match="its own queue"):
+                await conn.execute("UPDATE task_instance SET trigger_id = $1 WHERE trigger_id = $2",
+                                   theirs, mine)
+        finally:
+            await conn.close()
+    # Not a team matter only: no role, the owner included, can link across queues.
+    with pytest.raises(Exception, match="its own queue"):
+        await db.execute("UPDATE task_instance SET queue = $1 WHERE task_id = 'mine'", teams[1])
+    procs.writer()
+    await publish_raw(settings, teams[1], [Event(theirs, 0, teams[1], "resume", '{"secret": 1}',
+                                                 time.time())])
+    await wait_until(lambda: db.fetchval(
+        "SELECT state = 'scheduled' FROM task_instance WHERE task_id = 't1'"), 10)
+    rows = dict(await db.fetch("SELECT task_id, state FROM task_instance"))
+    assert rows == {"t1": "scheduled", "mine": "deferred"}
+
+
 async def test_team_role_cancels_its_own_task_without_a_grant_on_the_cancel_log(
     db: Database, dsn: str, teams: list[str], settings: Settings, topology: Topology,
 ) -> None:
