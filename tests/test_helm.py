@@ -12,6 +12,7 @@ import copy
 import json
 import re
 import shutil
+import tarfile
 from pathlib import Path
 from typing import Any
 
@@ -373,6 +374,16 @@ def test_the_rules_are_read_from_the_alerts_file_not_a_copy(tmp_path: Path) -> N
     (rule,) = [d for d in yaml.safe_load_all(files["triggerflow/templates/monitoring.yaml"])
                if d and d["kind"] == "PrometheusRule"]
     assert rule["spec"] == changed
+
+
+def test_a_packaged_chart_carries_the_alerts_files_content(tmp_path: Path) -> None:
+    """``helm package`` follows the link: the archive holds the rules, not a dangling link."""
+    with helm_python.Chart.load(helm_chart.CHART) as chart:
+        archive = chart.save(tmp_path)
+    with tarfile.open(archive) as tar:
+        member = tar.getmember("triggerflow/files/alerts.yaml")
+        assert member.isfile()
+        assert tar.extractfile(member).read() == ALERTS.read_bytes()  # type: ignore[union-attr]
 
 
 def test_adding_a_team_is_one_list_entry() -> None:
