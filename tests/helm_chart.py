@@ -45,8 +45,11 @@ def render_text(values: dict[str, Any], *, upgrade: bool = False) -> str:
     with helm_python.Chart.load(CHART) as chart:
         files = chart.render(values, name=RELEASE, namespace=NAMESPACE,
                              is_install=not upgrade, is_upgrade=upgrade)
-    parts = [f"---\n# Source: {path}\n{text.strip()}\n" for path, text in sorted(files.items())
-             if path.endswith(".yaml") and text.strip().strip("-").strip()]
+    parts = []
+    for path, text in sorted(files.items()):
+        body = text.strip().removeprefix("---").strip()
+        if path.endswith(".yaml") and body:
+            parts.append(f"---\n# Source: {path}\n{body}\n")
     return "".join(parts)
 
 
