@@ -46,7 +46,8 @@ def make_transport(settings: Settings, *, name: str) -> Transport:
 def rabbit_transport(settings: Settings, *, name: str) -> RabbitTransport:
     from triggerflow.transport.rabbitmq import RabbitTransport, Topology
 
-    return RabbitTransport(settings.amqp_dsn(), Topology(settings.namespace), name=name)
+    return RabbitTransport(settings.amqp_dsn(), Topology(settings.namespace), name=name,
+                           management_url=settings.management_dsn())
 
 
 async def serve_consumer(settings: Settings, stop: asyncio.Event) -> int:
