@@ -190,11 +190,15 @@ class RabbitTransport:
         for team in team_queues:
             q = await ch.declare_queue(team, durable=True, arguments=args)
             await q.bind(t.deferrals_of(team), team)
-        if self.management_url is not None:
-            vhost = vhost_of(self.url)
-            async with ManagementClient(self.management_url) as api:
-                for name, body in [t.dead_policy(), *map(t.limits_policy, team_queues)]:
-                    await api.set_policy(vhost, name, body)
+        if self.management_url is None:
+            log.warning("queue length limits not set (they need the management API: set "
+                        "TRIGGERFLOW_MANAGEMENT_URL, or load the policies of "
+                        "brokers/rabbitmq/definitions.json)")
+            return
+        vhost = vhost_of(self.url)
+        async with ManagementClient(self.management_url) as api:
+            for name, body in [t.dead_policy(), *map(t.limits_policy, team_queues)]:
+                await api.set_policy(vhost, name, body)
 
     async def exchange(self, name: str) -> AbstractExchange:
         ex = self._exchanges.get(name)
