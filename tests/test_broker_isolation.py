@@ -21,10 +21,17 @@ import pytest
 from yarl import URL
 
 from tests.conftest import ROOT, Processes, SuiteServices, wait_until
-from triggerflow.settings import Settings
 from triggerflow.transport import Delivery, PublishRefused, QueueFull
 from triggerflow.transport.rabbitmq import RabbitTransport, Topology
-from triggerflow.wire import MAX_ID_MESSAGE_BYTES, WireError, decode_wakeup, encode_wakeup
+from triggerflow.wire import (
+    MAX_ID_MESSAGE_BYTES,
+    MAX_MESSAGE_BYTES,
+    Event,
+    WireError,
+    decode_events,
+    decode_wakeup,
+    encode_wakeup,
+)
 
 DEFINITIONS = json.loads((ROOT / "brokers" / "rabbitmq" / "definitions.json").read_text())
 ML, DE = "team-ml", "team-data-eng"  # the shipped queues the permissions are written for
@@ -154,6 +161,27 @@ async def test_oversized_messages_are_refused_at_the_broker_and_other_teams_go_o
     assert await broker.ready(ML) == 0
 
 
+async def test_a_batch_of_large_events_is_split_under_the_bound(broker: Broker) -> None:
+    """100 events of 64 KiB payload (13 MB once escaped) leave a consumer as several
+    messages the broker accepts, every event in one of them."""
+    topo = broker.admin.topology
+    payload = json.dumps("\"" * (64 << 10))
+    events = [Event(i, 0, ML, "resume", payload, 0.0) for i in range(100)]
+    ml = broker.team(ML)
+    await ml.connect()
+    try:
+        await ml.publish_events(ML, events)
+    finally:
+        await ml.close()
+    got: list[int] = []
+    async with raw_channel(broker.admin.url) as ch:
+        q = await ch.declare_queue(topo.events_queue, passive=True)
+        while (message := await q.get(no_ack=True, fail=False)) is not None:
+            assert len(message.body) <= MAX_MESSAGE_BYTES
+            got += [ev.trigger_id for ev in decode_events(message.body)]
+    assert sorted(got) == list(range(100))
+
+
 def test_a_consumer_refuses_an_oversized_wakeup_before_decoding_it() -> None:
     """Bytes that are not even JSON: an oversized body is refused for its size, so none of it
     was decoded (a 41 MB wake-up cost a consumer 770 MiB when it was)."""
@@ -277,15 +305,28 @@ def wait_exit(proc: subprocess.Popen[bytes], timeout: float) -> int:
 
 
 async def test_a_multi_queue_consumer_whose_user_may_not_read_a_queue_refuses_with_one_line(
-    broker: Broker, procs: Processes, settings: Settings,
+    broker: Broker, procs: Processes, services: SuiteServices,
 ) -> None:
     """``--queue team-ml --queue team-data-eng`` as team-ml's user: one error line naming the
-    user and the queue, exit 1 (it was 33,203 retry warnings in 4 s)."""
-    proc = procs.consume(ML, DE, amqp_url=broker.urls[ML], namespace="triggerflow",
-                         management_url=broker.management)
+    user and the queue, exit 1 (it was 33,203 retry warnings in 4 s). Once the user may
+    read both (and bind to both control exchanges), the same command serves both."""
+    args = {"amqp_url": broker.urls[ML], "namespace": "triggerflow",
+            "management_url": broker.management}
+    proc = procs.consume(ML, DE, **args)
     assert await asyncio.to_thread(wait_exit, proc, 60) == 1
     log = procs.log(proc)
     user = URL(broker.urls[ML]).user
     refusals = [line for line in log.splitlines() if "may not read" in line]
     assert refusals and f"broker user '{user}' may not read queue '{DE}'" in refusals[0], log[-3000:]
     assert "retrying in" not in log, log[-3000:]
+    (perms,) = [p for p in DEFINITIONS["permissions"] if p["user"] == ML]
+    both = perms["read"].replace(f"^({ML}|", f"^({ML}|{DE}|triggerflow\\.control\\.{DE}|")
+    assert both != perms["read"]
+    services.rabbit().ctl("set_permissions", "-p", broker.vhost, user or "",
+                          perms["configure"], perms["write"], both)
+    procs.consume(ML, DE, **args)
+
+    async def consumers() -> bool:
+        infos = [await broker.admin.queue_info(q) for q in (ML, DE)]
+        return all(i is not None and i.consumers == 1 for i in infos)
+    await wait_until(consumers, 30, message="one consumer on each queue")
