@@ -330,3 +330,26 @@ async def test_a_multi_queue_consumer_whose_user_may_not_read_a_queue_refuses_wi
         infos = [await broker.admin.queue_info(q) for q in (ML, DE)]
         return all(i is not None and i.consumers == 1 for i in infos)
     await wait_until(consumers, 30, message="one consumer on each queue")
+
+
+# -- migration from the shared exchanges -----------------------------------------------------
+
+async def test_topology_apply_over_the_shared_exchanges_keeps_old_publishers_delivering(
+    broker: Broker,
+) -> None:
+    """A broker set up by an older version has the shared topic exchange bound to each team
+    queue; declaring again (twice: idempotent) adds the per-queue route and keeps the old."""
+    topo = broker.admin.topology
+    async with raw_channel(broker.admin.url) as ch:
+        legacy = await ch.declare_exchange(topo.deferrals, aio_pika.ExchangeType.TOPIC,
+                                           durable=True)
+        queue = await ch.declare_queue(ML, passive=True)
+        await queue.bind(legacy, ML)
+    await broker.admin.declare([ML, DE])
+    await broker.admin.declare([ML, DE])
+    await broker.admin.publish(topo.deferrals, ML, encode_wakeup([1]))  # an old SDK
+    await broker.admin.publish_wakeups({ML: [2]})  # a new one
+
+    async def both() -> bool:
+        return await broker.ready(ML) == 2
+    await wait_until(both, 5, message="both wake-ups in team-ml's queue")
