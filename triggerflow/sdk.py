@@ -292,8 +292,11 @@ class TriggerflowClient:
         for (owner, queue), ids in by_owner.items():
             try:
                 await transport.publish_control(owner, "cancel", ids, queue=queue)
-            except TransportUnavailable:
-                log.warning("control message to consumer %s failed; its sweep will cancel", owner)
+            except (TransportUnavailable, Unroutable, PublishRefused) as exc:
+                # Unroutable: no control exchange for the queue (topology not applied since
+                # the upgrade); the broker closed the channel, the next call reconnects.
+                log.warning("control message to consumer %s failed (%r); its sweep will cancel",
+                            owner, exc)
         return sum(1 for c in cancelled if c.moved)
 
 
