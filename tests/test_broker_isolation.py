@@ -170,7 +170,9 @@ async def test_a_batch_of_large_events_is_split_under_the_bound(broker: Broker) 
     ml = broker.team(ML)
     await ml.connect()
     try:
-        await ml.publish_events(ML, events)
+        with pytest.raises(PublishRefused, match="over the"):  # refused before it is sent...
+            await ml.publish(topo.events, ML, b" " * (MAX_MESSAGE_BYTES + 1), user_id=ml.user)
+        await ml.publish_events(ML, events)  # ...so the channel is still open
     finally:
         await ml.close()
     got: list[int] = []
@@ -191,12 +193,12 @@ def test_a_consumer_refuses_an_oversized_wakeup_before_decoding_it() -> None:
         decode_wakeup(b"[" * MAX_ID_MESSAGE_BYTES)
 
 
-async def policy_applied(broker: Broker, queue: str) -> bool:
+async def policy_applied(broker: Broker, queue: str, key: str = "max-length") -> bool:
     base = URL(broker.management)
     url = f"http://{base.host}:{base.port}/api/queues/{broker.vhost}/{queue}"
     async with httpx.AsyncClient(auth=(base.user or "", base.password or "")) as http:
         body = (await http.get(url)).json()
-    return bool((body.get("effective_policy_definition") or {}).get("max-length"))
+    return bool((body.get("effective_policy_definition") or {}).get(key))
 
 
 async def test_a_flood_fills_only_the_flooding_teams_queue(services: SuiteServices) -> None:
@@ -205,6 +207,8 @@ async def test_a_flood_fills_only_the_flooding_teams_queue(services: SuiteServic
     takes one message past its limit before it refuses (RabbitMQ 3.10.8)."""
     async with shipped_broker(services, Topology(max_messages=3)) as broker:
         await wait_until(lambda: policy_applied(broker, ML), 10, message="limits policy")
+        await wait_until(lambda: policy_applied(broker, broker.admin.topology.dead_queue,
+                                                "max-length-bytes"), 10, message="dead policy")
         ml, de = broker.team(ML), broker.team(DE)
         await ml.connect()
         await de.connect()
