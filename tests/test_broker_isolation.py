@@ -249,6 +249,8 @@ async def test_a_team_cannot_file_a_dead_letter_in_another_teams_name(broker: Br
             await ml.dead_letter(b"{}", "forged: looks like data-eng's", source=DE)
         await ml.connect()
         await ml.dead_letter(b"{}", "really mine", source=ML)
+        # From a writer on a broker allowing more: cut to the bound, not lost.
+        await ml.dead_letter(b"x" * (MAX_MESSAGE_BYTES + 10), "too big", source=ML)
     finally:
         await ml.close()
     async with raw_channel(broker.urls[ML]) as ch:
@@ -256,9 +258,11 @@ async def test_a_team_cannot_file_a_dead_letter_in_another_teams_name(broker: Br
         with pytest.raises(aiormq.exceptions.ChannelPreconditionFailed, match="user_id"):
             await dead.publish(aio_pika.Message(b"{}", user_id=URL(broker.urls[DE]).user),
                                routing_key=ML)
-    [letter] = await dead_letters(broker, 1)
+    letter, big = await dead_letters(broker, 2)
     assert (letter.routing_key, letter.user_id) == (ML, URL(broker.urls[ML]).user)
     assert letter.headers["x-triggerflow-reason"] == "really mine"
+    assert len(big.body) == MAX_MESSAGE_BYTES
+    assert big.headers["x-triggerflow-truncated"] == MAX_MESSAGE_BYTES + 10
 
 
 # -- attack 12d: binding to another team's control routing ---------------------------------

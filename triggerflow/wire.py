@@ -16,6 +16,7 @@ ACCEPTED_VERSIONS = frozenset({SCHEMA_VERSION, SCHEMA_VERSION - 1})
 
 HEADER_TRACEPARENT = "traceparent"
 HEADER_REASON = "x-triggerflow-reason"
+HEADER_TRUNCATED = "x-triggerflow-truncated"  # a dead letter's original size, when cut
 CONTENT_TYPE = "application/json"
 
 # Size bounds at the edge. The broker refuses bigger messages of anyone

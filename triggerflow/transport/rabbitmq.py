@@ -41,6 +41,7 @@ from triggerflow.transport.topology import Topology
 from triggerflow.wire import (
     HEADER_REASON,
     HEADER_TRACEPARENT,
+    HEADER_TRUNCATED,
     MAX_IDS,
     MAX_MESSAGE_BYTES,
     Event,
@@ -379,6 +380,9 @@ class RabbitTransport:
         under ``source`` (topic permissions pin a team user to its own queue's name) and
         stamped with our user (RabbitMQ refuses a ``user_id`` that is not the
         connection's), so no team can file a dead letter in another team's name."""
-        await self.publish(self.topology.dead, source, body,
-                           headers={HEADER_REASON: reason[:1000]}, mandatory=False,
+        headers: dict[str, Any] = {HEADER_REASON: reason[:1000]}
+        if len(body) > MAX_MESSAGE_BYTES:  # only from a broker with a larger max_message_size
+            headers[HEADER_TRUNCATED] = len(body)
+            body = body[:MAX_MESSAGE_BYTES]
+        await self.publish(self.topology.dead, source, body, headers=headers, mandatory=False,
                            user_id=self.user)
