@@ -7,36 +7,32 @@ import json
 import socket
 import sys
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from triggerflow.cli.options import CONNECTION, build_settings, settings_options
-from triggerflow.redact import Redactor
-from triggerflow.settings import Settings
-from triggerflow.store.postgres.admin import (
-    HEALTH,
-    QUARANTINED,
-    SHOW_TRIGGER,
-    STATUS_CONSUMERS,
-    STATUS_OVERDUE,
-    STATUS_QUEUES,
-)
-from triggerflow.transport import QueueInfo
-from triggerflow.transport.management import (
-    BrokerQueue,
-    ManagementClient,
-    ManagementUnavailable,
-    vhost_of,
-)
-from triggerflow.transport.rabbitmq import Topology
-from triggerflow.wiring import admin_database, rabbit_transport
+
+if TYPE_CHECKING:
+    from triggerflow.redact import Redactor
+    from triggerflow.settings import Settings
+    from triggerflow.transport import QueueInfo
+    from triggerflow.transport.management import BrokerQueue
 
 EXIT_ATTENTION = 3
 
 
 async def collect_status(settings: Settings) -> dict[str, Any]:
     """Queues, processes, overdue and quarantined triggers, and the problems among them."""
+    from triggerflow.redact import Redactor
+    from triggerflow.store.postgres.admin import (
+        QUARANTINED,
+        STATUS_CONSUMERS,
+        STATUS_OVERDUE,
+        STATUS_QUEUES,
+    )
+    from triggerflow.wiring import admin_database, rabbit_transport
+
     redact = Redactor(settings)
     db = await admin_database(settings)
     try:
@@ -105,6 +101,9 @@ async def collect_status(settings: Settings) -> dict[str, Any]:
 
 async def broker_team_queues(settings: Settings) -> tuple[dict[str, BrokerQueue], str | None]:
     """Every team queue the broker has (management API), or why it could not be listed."""
+    from triggerflow.transport.management import ManagementClient, ManagementUnavailable, vhost_of
+    from triggerflow.transport.rabbitmq import Topology
+
     try:
         async with ManagementClient(settings.management_dsn()) as api:
             found = await api.team_queues(vhost_of(settings.amqp_dsn()),
@@ -188,6 +187,9 @@ def json_default(value: Any) -> Any:
 async def check_health(settings: Settings, host: str, kind: str,
                        pid: int | None) -> tuple[bool, str]:
     """(healthy, one-line reason) for the newest matching process row on ``host``."""
+    from triggerflow.store.postgres.admin import HEALTH
+    from triggerflow.wiring import admin_database
+
     db = await admin_database(settings)
     try:
         rows: list[Any] = await db.fetch(HEALTH, host, kind, pid)
@@ -208,6 +210,9 @@ async def check_health(settings: Settings, host: str, kind: str,
 
 
 async def fetch_trigger(settings: Settings, trigger_id: int) -> dict[str, Any] | None:
+    from triggerflow.store.postgres.admin import SHOW_TRIGGER
+    from triggerflow.wiring import admin_database
+
     db = await admin_database(settings)
     try:
         row = await db.fetchrow(SHOW_TRIGGER, trigger_id)
@@ -231,6 +236,8 @@ def register(main: click.Group) -> None:
         triggers, or one named by --queue, with no live consumer; triggers held by dead
         owners; quarantined triggers; deferred tasks past their timeout; an unreachable
         broker or management API."""
+        from triggerflow.redact import Redactor
+
         settings = build_settings(values)
         redact = Redactor(settings)
         try:
@@ -252,6 +259,8 @@ def register(main: click.Group) -> None:
     def health(kind: str, pid: int | None, **values: Any) -> None:
         """Liveness probe: exit 0 when this host's consumer/writer is alive and renewing its
         lease, 1 otherwise (stalled: lease expired; dead: no process), with a one-line reason."""
+        from triggerflow.redact import Redactor
+
         settings = build_settings(values)
         try:
             ok, line = asyncio.run(asyncio.wait_for(
