@@ -43,9 +43,16 @@ class TextFormatter(logging.Formatter):
         return super().format(record)
 
 
+FORMATTERS: dict[str, type[logging.Formatter]] = {"text": TextFormatter, "json": JsonFormatter}
+
+
 def setup(level: str = "INFO", fmt: str = "text") -> None:
+    """Root logging at ``level`` in format ``fmt`` (``text``/``json``, any case; another is an
+    error, never a silent fallback)."""
+    if fmt.lower() not in FORMATTERS:
+        raise ValueError(f"log format {fmt!r}: use text or json")
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
+    handler.setFormatter(FORMATTERS[fmt.lower()]())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

@@ -14,7 +14,16 @@ from collections.abc import Iterable, Mapping
 from datetime import timedelta
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, SecretStr, field_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 
 def _seconds(value: object) -> object:
@@ -67,14 +76,24 @@ class Settings(BaseModel):
     """Configuration for every triggerflow process (SDK, consumer, writer, admin commands).
 
     ``Settings(**values)`` fills every field not given from its variable (the SDK, tests);
-    ``Settings.model_validate(values)`` reads no variable (the CLI: click reads the variables
-    of the options a command declares).
+    ``Settings.without_environment(values)`` reads no variable (the CLI: click reads the
+    variables of the options a command declares).
     """
 
-    model_config = ConfigDict(extra="ignore")
+    # built on first validation: `--help` only reads the fields
+    model_config = ConfigDict(extra="ignore", defer_build=True)
 
-    def __init__(self, **values: Any) -> None:
-        super().__init__(**{**self.environment(), **values})
+    @model_validator(mode="before")
+    @classmethod
+    def _variables_under_values(cls, data: Any, info: ValidationInfo) -> Any:
+        if not isinstance(data, dict) or (info.context or {}).get("environment") is False:
+            return data
+        return {**cls.environment(), **data}
+
+    @classmethod
+    def without_environment(cls, values: Mapping[str, Any]) -> Settings:
+        """``values`` validated; every field not in them keeps its default."""
+        return cls.model_validate(values, context={"environment": False})
 
     @classmethod
     def environment(cls, fields: Iterable[str] | None = None,

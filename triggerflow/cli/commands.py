@@ -138,17 +138,9 @@ def give_env_vars(command: click.Command, path: list[str]) -> None:
 
 
 def _bad_parameter(exc: click.BadParameter) -> int:
-    """A value click refused, named by the flag or variable it came from."""
-    from click.core import ParameterSource
-
-    param, ctx = exc.param, exc.ctx
-    if param is None or ctx is None or param.name is None:
-        exc.show()
-        return exc.exit_code
-    where = param.opts[0] if isinstance(param, click.Option) else param.human_readable_name
-    if ctx.get_parameter_source(param.name) is ParameterSource.ENVIRONMENT:
-        where = str(param.envvar)
-    click.echo(f"error: {ctx.command_path}: {where}: {exc.format_message()}", err=True)
+    """A value click refused (its message names the flag, or the variable it came from)."""
+    where = f"{exc.ctx.command_path}: " if exc.ctx else ""
+    click.echo(f"error: {where}{exc.format_message()}", err=True)
     return exc.exit_code
 
 

@@ -105,7 +105,7 @@ def _database_line(exc: BaseException, settings: Settings | None) -> str:
     if any(state.startswith("28") for state in states):
         return f"the database{at} refused the login: {exc}; check {DATABASE_VAR}"
     if "3D000" in states:
-        return f"the database{at} does not exist: {exc}; run `triggerflow db upgrade`"
+        return f"{exc} (database server{at}); run `triggerflow db upgrade` or check {DATABASE_VAR}"
     if any(isinstance(item, OSError) for item in _chain(exc)):
         return f"cannot reach the database{at}: {exc}; check {DATABASE_VAR}"
     return f"database error{at}: {type(exc).__name__}: {exc}"
@@ -136,7 +136,7 @@ def describe(exc: BaseException, settings: Settings | None = None) -> str:
     from triggerflow.settings import Settings
 
     # Without settings the redactor still masks the password of any URL in the text.
-    return Redactor(settings or Settings.model_validate({}))(" ".join(line.split()))
+    return Redactor(settings or Settings.without_environment({}))(" ".join(line.split()))
 
 
 def report(exc: BaseException) -> int:

@@ -98,7 +98,7 @@ def build_settings(values: dict[str, Any], every_variable: bool = False) -> Sett
             value = list(value) if len(value) > 1 else value[0]
         given[key] = value
     try:
-        settings = Settings(**given) if every_variable else Settings.model_validate(given)
+        settings = Settings(**given) if every_variable else Settings.without_environment(given)
     except ValueError as exc:  # pydantic's ValidationError
         raise failures.ConfigError(failures.config_problem(
             exc, lambda field: Settings.env_name(field) if field not in given
