@@ -79,7 +79,7 @@ def test_the_lazy_table_is_the_commands_with_their_help() -> None:
 
 
 def _options() -> list[tuple[str, click.Option]]:
-    found = []
+    found: list[tuple[str, click.Option]] = []
 
     def walk(command: click.Command, path: str) -> None:
         found.extend((path, p) for p in command.params
