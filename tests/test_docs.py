@@ -113,3 +113,15 @@ def test_option_tables_name_the_options_variable_and_default() -> None:
         if hasattr(value, "get_secret_value"):
             value = value.get_secret_value()
         assert str(value) == default, f"{flag}: docs say {default}, code {value}"
+
+
+def test_flags_in_a_command_section_of_the_cli_page_are_that_commands() -> None:
+    """In docs/cli.md, every `--flag` under ``### `triggerflow CMD …` `` is an option of CMD."""
+    sections = re.split(r"^### `", (ROOT / "docs" / "cli.md").read_text(), flags=re.M)[1:]
+    assert len(sections) >= 10
+    for section in sections:
+        heading, _, body = section.partition("\n")
+        command, _, path = _walk(heading.split("`")[0].replace("[", " ").split())
+        flags = {opt for p in command.params for opt in (*p.opts, *p.secondary_opts)}
+        for flag in re.findall(r"`(--[a-z][a-z-]*)", body):
+            assert flag in flags, f"{path}: docs/cli.md quotes {flag}, which it does not take"
