@@ -71,8 +71,9 @@ def _walk(words: list[str]) -> tuple[click.Command, list[str], str]:
 def _check_line(line: str) -> None:
     words = line.replace("[", " ").replace("]", " ").replace("…", " ").split()
     command, rest, path = _walk(words)
-    options = {opt: p for p in command.params if isinstance(p, click.Option)
-               for opt in (*p.opts, *p.secondary_opts)}
+    options: dict[str, click.Option | None] = {
+        opt: p for p in command.params if isinstance(p, click.Option)
+        for opt in (*p.opts, *p.secondary_opts)}
     options.update({"--help": None, "-h": None})
     for i, word in enumerate(rest):
         if not word.startswith("--"):

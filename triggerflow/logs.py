@@ -56,5 +56,14 @@ def setup(level: str = "INFO", fmt: str = "text") -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
+    quiet_client_libraries(root.level)
+
+
+def quiet_client_libraries(level: int) -> None:
+    """The AMQP client and asyncio log at WARNING or above; aiormq's ERROR for each failed
+    connect only at DEBUG, since the caller reports that failure itself (one line, or a
+    retry warning) and the two would say it twice."""
     for noisy in ("aio_pika", "aiormq", "asyncio"):
-        logging.getLogger(noisy).setLevel(max(logging.WARNING, root.level))
+        logging.getLogger(noisy).setLevel(max(logging.WARNING, level))
+    logging.getLogger("aiormq.connection").setLevel(
+        logging.DEBUG if level <= logging.DEBUG else logging.CRITICAL)

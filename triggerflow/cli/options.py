@@ -9,6 +9,7 @@ the flag or variable it came from.
 
 from __future__ import annotations
 
+import logging
 import sys
 import typing
 from collections.abc import Callable, Coroutine, Sequence
@@ -104,6 +105,9 @@ def build_settings(values: dict[str, Any], every_variable: bool = False) -> Sett
             exc, lambda field: Settings.env_name(field) if field not in given
             or _from_environment(ctx, field) else Settings.flag_name(field))) from None
     failures.current.settings = settings
+    from triggerflow.logs import quiet_client_libraries
+
+    quiet_client_libraries(logging.getLevelName(settings.log_level))
     return settings
 
 
