@@ -126,3 +126,21 @@ def test_flags_in_a_command_section_of_the_cli_page_are_that_commands() -> None:
         flags = {opt for p in command.params for opt in (*p.opts, *p.secondary_opts)}
         for flag in re.findall(r"`(--[a-z][a-z-]*)", body):
             assert flag in flags, f"{path}: docs/cli.md quotes {flag}, which it does not take"
+
+
+def test_the_readme_names_the_extras_make_installs() -> None:
+    extras = re.search(r"pip install -e '\.\[([a-z,]+)\]'", (ROOT / "Makefile").read_text())
+    assert extras is not None
+    names = extras.group(1).split(",")
+    claim = " and ".join(f"`{name}`" for name in names) + " extras"
+    for page in ("README.md", "docs/getting-started.md"):
+        assert claim in " ".join((ROOT / page).read_text().split()), page
+
+
+def test_bench_scenarios_in_the_cli_page_are_the_benchmarks() -> None:
+    from triggerflow.bench.common import SCENARIOS
+
+    page = (ROOT / "docs" / "cli.md").read_text()
+    section = page[page.index("### `triggerflow bench"):page.index("### `triggerflow docs config")]
+    listed = re.findall(r"`([a-z]+)`", section.split("Scenarios:")[1].split(".")[0])
+    assert listed == [*SCENARIOS, "airflow"]
