@@ -194,3 +194,40 @@ def test_airflow_form_of_the_database_url_is_accepted() -> None:
     settings = Settings.without_environment(
         {"database_url": "postgresql+psycopg2://airflow:pw@db:5432/airflow"})
     assert settings.database_dsn() == "postgresql://airflow:pw@db:5432/airflow"
+
+
+# -- what a service that gives up prints (its last error raised, wrapped or not)
+
+
+def _raised(inner: BaseException, wrapped: bool) -> BaseException:
+    try:
+        try:
+            raise inner
+        except Exception as exc:
+            if wrapped:
+                raise RuntimeError("gave up after 5 attempts") from exc
+            raise
+    except Exception as exc:
+        return exc
+
+
+@pytest.mark.parametrize("wrapped", [False, True])
+def test_a_refused_login_names_the_url_to_check_even_when_wrapped(wrapped: bool) -> None:
+    import asyncpg
+    from aiormq.exceptions import ProbableAuthenticationError
+
+    from triggerflow.cli.failures import describe
+
+    settings = Settings.without_environment({
+        "amqp_url": "amqp://team:s3cretpw@broker:5672/",
+        "database_url": "postgresql://team:s3cretpw@db:5432/triggerflow"})
+    broker = describe(_raised(ProbableAuthenticationError(
+        "ACCESS_REFUSED - Login was refused using authentication mechanism PLAIN"), wrapped),
+        settings)
+    assert broker.startswith("the broker at broker:5672 refused the login"), broker
+    assert "TRIGGERFLOW_AMQP_URL" in broker
+    database = describe(_raised(asyncpg.InvalidPasswordError(
+        'password authentication failed for user "team"'), wrapped), settings)
+    assert database.startswith("the database at db:5432 refused the login"), database
+    assert "TRIGGERFLOW_DATABASE_URL" in database
+    assert "s3cretpw" not in broker + database
