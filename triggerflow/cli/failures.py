@@ -52,7 +52,7 @@ def config_problem(exc: Any, source: Callable[[str], str]) -> str:
     parts = []
     for error in exc.errors():
         field = str(error["loc"][0]) if error["loc"] else "settings"
-        text = f"{source(field)}: {error['msg']}"
+        text = f"{source(field)}: {error['msg'].removeprefix('Value error, ')}"
         if field not in _SECRET_FIELDS and isinstance(error.get("input"), str | int | float):
             text += f" (got {error['input']!r})"
         parts.append(text)

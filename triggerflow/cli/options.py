@@ -10,7 +10,6 @@ the flag or variable it came from.
 from __future__ import annotations
 
 import logging
-import sys
 import typing
 from collections.abc import Callable, Coroutine, Sequence
 from datetime import timedelta
@@ -20,6 +19,7 @@ import click
 from click.core import ParameterSource
 
 from triggerflow.cli import failures
+from triggerflow.logs import quiet_client_libraries
 from triggerflow.settings import Settings
 
 if TYPE_CHECKING:
@@ -105,8 +105,6 @@ def build_settings(values: dict[str, Any], every_variable: bool = False) -> Sett
             exc, lambda field: Settings.env_name(field) if field not in given
             or _from_environment(ctx, field) else Settings.flag_name(field))) from None
     failures.current.settings = settings
-    from triggerflow.logs import quiet_client_libraries
-
     quiet_client_libraries(logging.getLevelName(settings.log_level))
     return settings
 
@@ -126,9 +124,4 @@ def stop_on_signals() -> asyncio.Event:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     return stop
-
-
-def fail(message: str) -> typing.NoReturn:
-    click.echo(f"error: {message}", err=True)
-    sys.exit(1)
 
