@@ -36,9 +36,11 @@ CONSUMER = ("queues", "capacity", "allowed_modules", "lease_ttl", "renew_interva
             "event_linger", "max_event_bytes", "reaper_interval", "cancel_sweep_interval",
             "reconcile_after", "unclaimed_grace", "max_deferral", "kwargs_key", "kwargs_keys",
             "airflow", "default_queue")
+# The writer runs a reaper too (max_failures), and its store carries the kwargs codec.
 WRITER = ("writer_batch", "writer_prefetch", "writer_concurrency", "team_users", "lease_ttl",
           "renew_interval", "reaper_interval", "reap_batch", "unclaimed_grace", "max_deferral",
-          "reclaim_rate", "subscription_check_interval", "airflow", "default_queue", "queues")
+          "reclaim_rate", "max_failures", "subscription_check_interval", "airflow",
+          "default_queue", "queues", "kwargs_key", "kwargs_keys")
 SDK = ("allowed_modules", "max_kwargs_bytes", "max_deferral", "kwargs_key", "kwargs_keys")
 
 # Shown in --help; the value itself is converted by pydantic. Durations are seconds.
