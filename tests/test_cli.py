@@ -71,11 +71,15 @@ def test_commands_start_without_heavy_imports(tmp_path: Path, command: list[str]
 
 
 def test_the_lazy_table_is_the_commands_with_their_help() -> None:
+    """``triggerflow --help`` lists commands from COMMANDS without importing them: the table
+    must name every command the modules register, with its help's first sentence."""
     group = LazyGroup(name="triggerflow", lazy=COMMANDS).load_all()
-    assert set(group.commands) == set(COMMANDS)
+    fix = "update COMMANDS in triggerflow/cli/commands.py"
+    assert set(group.commands) == set(COMMANDS), fix
     for name, (_, first_sentence) in COMMANDS.items():
         loaded = group.commands[name].get_short_help_str(500)
-        assert loaded == click.Command(name, help=first_sentence).get_short_help_str(500), name
+        assert loaded == click.Command(name, help=first_sentence).get_short_help_str(500), \
+            f"{name}: {fix}"
 
 
 def _options() -> list[tuple[str, click.Option]]:
