@@ -180,3 +180,42 @@ async def test_per_team_consumer_roles_as_documented_hold_team_a_to_its_own_rows
         "fires0": "scheduled", "fires1": "scheduled", "swept": "failed", "kept": "failed"}
     procs.stop_all()
     assert "permission denied" not in "".join(procs.log(p) for p in procs.procs)
+
+
+ROLES_SQL = ROOT / "deploy" / "postgres" / "roles.sql"
+
+
+async def test_compose_roles_script_gives_each_process_its_own_listed_role(
+    dsn: str, pg_server: str, db: Database,
+) -> None:
+    """compose.yaml's processes log in as the roles deploy/postgres/roles.sql makes (run twice:
+    compose runs it on every `up`), and each consumer's role is listed for exactly the queue
+    it consumes, so row security holds it there."""
+    import yaml
+
+    compose = yaml.safe_load((ROOT / "compose.yaml").read_text())
+    users: dict[str, list[str]] = {}
+    for svc in compose["services"].values():
+        url = (svc.get("environment") or {}).get("TRIGGERFLOW_DATABASE_URL")
+        if url and svc.get("command", [""])[0] in ("consume", "writer"):
+            queues = [a for i, a in enumerate(svc["command"]) if i and svc["command"][i - 1] == "--queue"]
+            users[str(URL(url).user)] = queues
+    assert users and "postgres" not in users, users
+    made = re.findall(r"'(tf_[a-z_]+)'", ROLES_SQL.read_text())
+    existed = {r["rolname"] for r in await db.fetch(
+        "SELECT rolname FROM pg_roles WHERE rolname = ANY($1::text[])", made)}
+    try:
+        for _ in range(2):
+            await db.execute(ROLES_SQL.read_text())
+        listed: dict[str, set[str]] = {}
+        for r in await db.fetch("SELECT role, queue FROM team_queue"):
+            listed.setdefault(r["role"], set()).add(r["queue"])
+        for user, queues in users.items():
+            assert await db.fetchval("SELECT rolcanlogin FROM pg_roles WHERE rolname = $1", user)
+            assert listed.get(user, set()) == set(queues), (user, queues)
+    finally:
+        database = URL(dsn).path.lstrip("/")
+        for name in sorted(set(made) - existed):
+            await admin_sql(pg_server, f'REVOKE ALL ON DATABASE "{database}" FROM "{name}"')
+            await db.execute(f'DROP OWNED BY "{name}"')
+            await admin_sql(pg_server, f'DROP ROLE IF EXISTS "{name}"')
