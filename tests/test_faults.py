@@ -123,19 +123,27 @@ async def test_paused_consumer_is_fenced_and_reregisters(
     sleeper_id = await consumer_id(db, sleeper)
     await client.defer_many(timers(200, 8, teams[0]))
     await wait_until(lambda: all_owned_by(db, sleeper_id, 200), 15)
-    sleeper.send_signal(signal.SIGSTOP)
-    peer = procs.consume(teams[0])
-    peer_id = await consumer_id(db, peer)
-    await wait_until(lambda: all_owned_by(db, peer_id, 200), 15, message="peer took over")
-    await wait_until(lambda: db.fetchval(
-        "SELECT count(*) = 200 FROM task_instance WHERE state = 'scheduled'"), 15)
-    applied = await db.fetchval("SELECT max(updated_at) FROM task_instance")
-    sleeper.send_signal(signal.SIGCONT)  # its timers are overdue: it must not emit them
-    new_id = await wait_until(lambda: db.fetchval(
-        "SELECT id FROM consumer WHERE pid = $1 AND id > $2 AND expires_at > now()",
-        sleeper.pid, sleeper_id), 10, message="woken consumer re-registered")
-    assert new_id > sleeper_id
-    await asyncio.sleep(1.5)
+    from tests.test_stuck_faults import spy_on_events  # it imports this module's helpers
+
+    # A spy on the events exchange sees what each consumer publishes, whatever the writer's
+    # fencing makes of it: the peer's 200 events at attempt 2, and nothing of the woken
+    # sleeper's attempt 1 (its timers are overdue when it wakes; it must emit none of them).
+    async with spy_on_events(client.settings) as spy:
+        sleeper.send_signal(signal.SIGSTOP)
+        peer = procs.consume(teams[0])
+        peer_id = await consumer_id(db, peer)
+        await wait_until(lambda: all_owned_by(db, peer_id, 200), 15, message="peer took over")
+        await wait_until(lambda: db.fetchval(
+            "SELECT count(*) = 200 FROM task_instance WHERE state = 'scheduled'"), 15)
+        applied = await db.fetchval("SELECT max(updated_at) FROM task_instance")
+        sleeper.send_signal(signal.SIGCONT)
+        new_id = await wait_until(lambda: db.fetchval(
+            "SELECT id FROM consumer WHERE pid = $1 AND id > $2 AND expires_at > now()",
+            sleeper.pid, sleeper_id), 10, message="woken consumer re-registered")
+        assert new_id > sleeper_id
+        await asyncio.sleep(1.5)
+    assert len(spy.by_attempt(2)) == 200
+    assert spy.by_attempt(1) == set(), "the fenced consumer published its stale attempt"
     assert await db.fetchval("SELECT max(updated_at) FROM task_instance") == applied
     assert "lease lost" in procs.log(sleeper)
 
