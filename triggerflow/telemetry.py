@@ -39,6 +39,9 @@ CAPACITY_LEFT = "triggerflow.capacity_left"
 QUEUE_DEPTH = "triggerflow.queue.depth"
 QUEUE_CONSUMERS = "triggerflow.queue.consumers"
 QUEUE_SUBSCRIBERS = "triggerflow.queue.subscribers"
+QUEUE_UNSUBSCRIBED = "triggerflow.queue.unsubscribed"
+QUEUE_BACKLOG = "triggerflow.queue.backlog_seconds"
+QUEUE_OVERDUE = "triggerflow.queue.overdue"
 
 # Spans (defer -> fire -> write share one trace) and their attributes.
 SPAN_DEFER = "triggerflow.defer"

@@ -90,10 +90,12 @@ class ManagementClient:
             f"exchanges/{v}/{quote(deferrals_exchange, safe='')}/bindings/source")
         names = {b["destination"] for b in bindings or []
                  if b.get("destination_type") == "queue"}
-        if not names:
-            return {}
+        return await self.queues(vhost, names) if names else {}
+
+    async def queues(self, vhost: str, names: set[str]) -> dict[str, BrokerQueue]:
+        """The broker's numbers for those of ``names`` that exist."""
         rows = await self._get(
-            f"queues/{v}",
+            f"queues/{quote(vhost, safe='')}",
             columns="name,messages_ready,messages_unacknowledged,consumers")
         return {
             r["name"]: BrokerQueue(r["name"], int(r.get("messages_ready") or 0),
@@ -102,3 +104,18 @@ class ManagementClient:
             for r in rows or []
             if r["name"] in names
         }
+
+    async def subscriptions(self, vhost: str) -> set[tuple[str, str]]:
+        """(queue, the subscribing connection's client-provided name) for every consumer on
+        the vhost; a connection that gave no name is listed by the broker's own name."""
+        v = quote(vhost, safe="")
+        connections = await self._get(f"vhosts/{v}/connections",
+                                      columns="name,user_provided_name")
+        named = {c["name"]: c.get("user_provided_name") or c["name"]
+                 for c in connections or []}
+        consumers = await self._get(f"consumers/{v}")
+        found = set()
+        for c in consumers or []:
+            connection = (c.get("channel_details") or {}).get("connection_name", "")
+            found.add((c["queue"]["name"], named.get(connection, connection)))
+        return found

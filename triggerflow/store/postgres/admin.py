@@ -4,7 +4,8 @@ the reference host (the demo's resumer). Not on any hot path of the loops.
 
 STATUS_CONSUMERS = """
 SELECT id, kind, host, pid, queues, capacity, running, version, started_at, renewed_at,
-       expires_at, expires_at > now() AS alive, cardinality(probation) AS on_probation
+       expires_at, expires_at > now() AS alive, cardinality(probation) AS on_probation,
+       extract(epoch FROM now() - started_at)::float8 AS started_ago
 FROM consumer ORDER BY kind, id
 """
 
@@ -121,6 +122,50 @@ SELECT unnest(queues) FROM consumer WHERE kind = 'consumer'
 """
 
 LIVE_WRITERS = "SELECT count(*) FROM consumer WHERE kind = 'writer' AND expires_at > now()"
+
+# Per queue: live consumers by lease, and those of them the broker should be delivering to:
+# well below capacity (a consumer pauses its subscription at capacity and resumes under 90%)
+# and registered longer than $2 seconds ago (it subscribes just after registering).
+QUEUE_LEASES = """
+SELECT q AS queue, count(c.id) AS consumers,
+       count(c.id) FILTER (WHERE c.running < c.capacity * 0.9
+                           AND c.started_at < now() - make_interval(secs => $2)) AS expected
+FROM unnest($1::text[]) AS q
+LEFT JOIN consumer c ON c.kind = 'consumer' AND c.expires_at > now() AND q = ANY(c.queues)
+GROUP BY q
+"""
+
+# Deferred tasks more than 10 s past their timeout, by queue (the reaper fails them 2 s
+# after it: any left mean no reaper covers the queue). All queues when $1 is NULL.
+OVERDUE_BY_QUEUE = """
+SELECT coalesce(queue, '') AS queue, count(*) AS overdue FROM task_instance
+WHERE state = 'deferred' AND trigger_timeout < now() - interval '10 seconds'
+  AND ($1::text[] IS NULL OR queue = ANY($1::text[]))
+GROUP BY queue
+"""
+
+# Writers by lease, newest first: what ``status`` lists and how long ago each renewed.
+STATUS_WRITERS = """
+SELECT id, host, pid, version, started_at, renewed_at, expires_at > now() AS alive,
+       extract(epoch FROM now() - renewed_at)::float8 AS renewed_ago
+FROM consumer WHERE kind = 'writer' ORDER BY renewed_at DESC
+"""
+
+# Trigger ids in one state, for ``requeue`` / ``unquarantine``.
+TRIGGER_IDS = {
+    "quarantined": "quarantined_at IS NOT NULL",
+    "unclaimed": "owner_id IS NULL AND quarantined_at IS NULL",
+    "dead-owner": ("owner_id IS NOT NULL AND NOT EXISTS (SELECT 1 FROM consumer c "
+                   "WHERE c.id = owner_id AND c.expires_at > now())"),
+    "running": ("owner_id IS NOT NULL AND EXISTS (SELECT 1 FROM consumer c "
+                "WHERE c.id = owner_id AND c.expires_at > now())"),
+}
+
+
+def trigger_ids(state: str) -> str:
+    """The statement listing ids in ``state`` ($1 = queues, or NULL for every queue)."""
+    return (f"SELECT id, queue FROM trigger WHERE ({TRIGGER_IDS[state]}) "
+            "AND ($1::text[] IS NULL OR queue = ANY($1::text[])) ORDER BY id")
 
 # The reference resumer takes scheduled task instances, as a scheduler would hand them to
 # workers: SKIP LOCKED so several resumers can share the work.
