@@ -236,10 +236,19 @@ ALERT_CASES: dict[str, dict[str, Any]] = {
                   "4m"),
     },
     "TriggerflowOverdueDeferredTasks": {
-        "fire": [({'triggerflow_queue_overdue{queue="team-ml",instance="w"}': "0 3 3 3",
-                   'triggerflow_queue_overdue{queue="team-data-eng",instance="w"}': "0x3"},
-                  "3m", [{"queue": "team-ml"}])],
-        "quiet": ({'triggerflow_queue_overdue{queue="team-ml",instance="w"}': "0 0 0 3"}, "3m"),
+        "fire": [
+            ({'triggerflow_queue_overdue{queue="team-ml",instance="w"}': "0 3 3 3",
+              'triggerflow_queue_overdue{queue="team-data-eng",instance="w"}': "0x3"},
+             "3m", [{"queue": "team-ml"}]),
+            # timed out by a reaper: the labelled counter is born at its first timeout
+            ({'triggerflow_reaper_timed_out_total{queue="team-ml",instance="w"}': "_ _ 2 2"},
+             "3m", [{"queue": "team-ml"}]),
+            ({'triggerflow_reaper_timed_out_total{queue="team-ml",instance="w"}': "0x20 4 4"},
+             "22m", [{"queue": "team-ml"}]),
+        ],
+        "quiet": ({'triggerflow_queue_overdue{queue="team-ml",instance="w"}': "0x3",
+                   'triggerflow_reaper_timed_out_total{queue="team-ml",instance="w"}': "2x30"},
+                  "30m"),
     },
     "TriggerflowTriggersQuarantined": {
         "fire": [  # a series born at 1: only the `unless` clause sees it
