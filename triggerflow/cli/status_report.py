@@ -159,32 +159,33 @@ def not_subscribed(consumers: list[dict[str, Any]], subscribed: set[tuple[str, s
                    broker_info: dict[str, QueueInfo | None], grace: float) -> list[dict[str, Any]]:
     """Live consumers well below capacity, registered more than ``grace`` seconds ago, that
     the broker does not deliver one of their queues to (a consumer pauses its subscriptions
-    only at capacity). Matched by the connection name each consumer gives the broker
-    (``…@host:pid``); without the management API, by count per queue."""
+    only at capacity). A queue counts when the broker's exact consumer count (AMQP) is short
+    of those consumers; the management API then names which, by the connection name each
+    consumer gives the broker (``…@host:pid``); its lists lag by a statistics interval, so
+    they only name, never decide."""
     from triggerflow.wiring import CONSUMER_CONNECTION
 
     expected = [c for c in consumers if c["alive"] and c["kind"] == "consumer"
                 and c["running"] < 0.9 * c["capacity"] and c["started_ago"] > grace]
+    by = {(queue, name.rpartition("@")[2]) for queue, name in subscribed or ()
+          if name.startswith(CONSUMER_CONNECTION)}
     found: list[dict[str, Any]] = []
-    if subscribed is not None:
-        by = {(queue, name.rpartition("@")[2]) for queue, name in subscribed
-              if name.startswith(CONSUMER_CONNECTION)}
-        for c in expected:
-            for queue in c["queues"]:
-                if (queue, f"{c['host']}:{c['pid']}") not in by:
-                    found.append({"queue": queue, "consumer_id": c["id"], "host": c["host"],
-                                  "pid": c["pid"], "problem": (
-                                      f"consumer {c['id']} on {c['host']} (pid {c['pid']}) "
-                                      f"holds a lease on {queue} but is not subscribed on "
-                                      "the broker")})
-        return found
     for queue in sorted({q for c in expected for q in c["queues"]}):
-        want = sum(queue in c["queues"] for c in expected)
+        mine = [c for c in expected if queue in c["queues"]]
         info = broker_info.get(queue)
-        if info is not None and info[1] < want:
+        if info is None or info[1] >= len(mine):
+            continue
+        missing = [c for c in mine if (queue, f"{c['host']}:{c['pid']}") not in by]
+        if subscribed is None or not missing:
             found.append({"queue": queue, "consumer_id": None, "host": None, "pid": None,
-                          "problem": (f"queue {queue}: {want} consumer(s) hold a lease below "
-                                      f"capacity but {info[1]} are subscribed on the broker")})
+                          "problem": (f"queue {queue}: {len(mine)} consumer(s) hold a lease "
+                                      f"below capacity but {info[1]} are subscribed on the "
+                                      "broker")})
+            continue
+        found += [{"queue": queue, "consumer_id": c["id"], "host": c["host"], "pid": c["pid"],
+                   "problem": (f"consumer {c['id']} on {c['host']} (pid {c['pid']}) holds a "
+                               f"lease on {queue} but is not subscribed on the broker")}
+                  for c in missing]
     return found
 
 
