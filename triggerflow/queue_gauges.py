@@ -28,6 +28,10 @@ from triggerflow.wiring import admin_database, rabbit_transport
 
 log = logging.getLogger(__name__)
 
+# The broker's queue list (management API, two HTTP calls) is read every this many polls:
+# it only adds queues nothing else names, which change rarely.
+LISTING_EVERY = 6
+
 
 @dataclass(frozen=True)
 class QueueSample:
@@ -72,6 +76,7 @@ class QueueGauges:
         self._known: set[str] = set()  # team queues seen, kept while the broker has them
         self._waiting_since: dict[str, float] = {}
         self._listing_failed = False
+        self._polls = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="queue-gauges", daemon=True)
         m = telemetry.get_metrics()
@@ -188,7 +193,10 @@ class QueueGauges:
         if not self.all_queues:
             return list(self.settings.queues)
         found = {r["queue"] for r in await db.fetch(ALL_QUEUES)}
-        self._known |= found | await self._listed_by_broker()
+        if self._polls % LISTING_EVERY == 0:
+            found |= await self._listed_by_broker()
+        self._polls += 1
+        self._known |= found
         return sorted(self._known)
 
     async def _listed_by_broker(self) -> set[str]:

@@ -8,11 +8,15 @@ deferrals exchange.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote, unquote, urlsplit, urlunsplit
 
 import httpx
+
+# A writer polls the API: its requests are not news at INFO.
+logging.getLogger("httpx").setLevel(logging.WARNING)
 
 DEFAULT_PORT = 15672
 TIMEOUT = 5.0
