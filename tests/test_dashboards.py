@@ -136,7 +136,7 @@ def merged(*scrapes: dict[str, set[str]]) -> dict[str, set[str]]:
 
 async def test_every_dashboard_and_alert_series_is_exported(
     client: TriggerflowClient, db: Database, procs: Processes, teams: list[str],
-    settings: Settings, topology: Topology,
+    settings: Settings, topology: Topology, tmp_path: Path,
 ) -> None:
     served, orphaned = teams
     writer_port, consumer_port = free_port(), free_port()
@@ -191,6 +191,7 @@ async def test_every_dashboard_and_alert_series_is_exported(
         return found if "triggerflow_reaper_quarantined_total" in found else None
 
     exported = await wait_until(all_series, 10, interval=0.5, message="quarantine counted")
+    await quarantined_panel_shows(survivors[0], orphaned, tmp_path)
     problems = {where: p for where, expr in {**dashboard_expressions(),
                                              **alert_expressions()}.items()
                 if (p := missing(expr, exported))}
@@ -198,6 +199,37 @@ async def test_every_dashboard_and_alert_series_is_exported(
     # and the checker notices a metric or label that is not there
     assert missing('rate(triggerflow_nope_total[1m])', exported)
     assert missing('triggerflow_triggers_running{team="x"}', exported)
+
+
+def panel_expr(title: str, team: str) -> str:
+    board = json.loads(DASHBOARD.read_text())
+    panel = next(p for p in board["panels"] if p["title"] == title)
+    return str(panel["targets"][0]["expr"]).replace("$team", team)
+
+
+async def quarantined_panel_shows(port: int, queue: str, tmp_path: Path) -> None:
+    """The Quarantined panel's query, evaluated by promtool on the quarantine counter as the
+    consumer that quarantined exports it (born at its first increment), returns it; the
+    old ``increase()`` alone returned 0 for the same series."""
+    from tests.test_ops import scrape as scrape_values
+
+    tool = promtool()
+    if tool is None:
+        return
+    found = (await scrape_values(port))["triggerflow_reaper_quarantined_total"]
+    value = next(v for labels, v in found if labels == {"queue": queue})
+    series = f'triggerflow_reaper_quarantined_total{{queue="{queue}",instance="c"}}'
+    old = f'sum(increase(triggerflow_reaper_quarantined_total{{queue="{queue}"}}[1h]))'
+    test = {"interval": "1m",
+            "input_series": [{"series": series, "values": f"_ _ {value:g}x3"}],
+            "promql_expr_test": [
+                {"expr": panel_expr("Quarantined", queue), "eval_time": "4m",
+                 "exp_samples": [{"labels": f'{{queue="{queue}"}}', "value": value}]},
+                {"expr": old, "eval_time": "4m", "exp_samples": [{"labels": "{}", "value": 0}]},
+            ]}
+    rules, _ = alert_rules()
+    out = run_rule_tests(tool, tmp_path, [test], rules)
+    assert out.returncode == 0, out.stdout + out.stderr
 
 
 # Each alert against series that fire it (one or more ways, with the labels it must carry)
