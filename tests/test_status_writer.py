@@ -90,7 +90,7 @@ async def test_no_writer_exits_3_naming_it_and_fires_the_alert(
     assert await states(db) == {"deferred": 200}  # fired, and nothing applied
     table = await cli(settings, "status")
     assert table.returncode == 3 and "no live writer" in table.stdout
-    assert "Writers" in table.stdout and events in table.stdout
+    assert "Writers: none has registered" in table.stdout and events in table.stdout
 
     # What the consumer exports while no writer runs: 0 writers, the events waiting.
     async def consumer_sees_no_writer() -> Samples | None:

@@ -66,14 +66,17 @@ def _render_writers(console: Any, report: dict[str, Any]) -> None:
     """Writers by lease, then the events and dead-letter queues they drain or fill."""
     from rich.table import Table
 
-    w = Table(title="Writers")
-    for col in ("id", "host", "pid", "last renewal", "renewed ago", "alive"):
-        w.add_column(col, no_wrap=True)
-    for p in report["writers"]:
-        w.add_row(str(p["id"]), p["host"], str(p["pid"]),
-                  p["renewed_at"].strftime("%H:%M:%S.%f")[:-3], f"{p['renewed_ago']:.1f}s",
-                  "yes" if p["alive"] else "NO")
-    console.print(w)
+    if report["writers"]:
+        w = Table(title="Writers")
+        for col in ("id", "host", "pid", "last renewal", "renewed ago", "alive"):
+            w.add_column(col, no_wrap=True)
+        for p in report["writers"]:
+            w.add_row(str(p["id"]), p["host"], str(p["pid"]),
+                      p["renewed_at"].strftime("%H:%M:%S.%f")[:-3],
+                      f"{p['renewed_ago']:.1f}s", "yes" if p["alive"] else "NO")
+        console.print(w)
+    else:
+        console.print("Writers: none has registered")
     s = Table(title="Events and dead letters")
     for col in ("queue", "depth", "unacked", "broker consumers"):
         s.add_column(col, justify="left" if col == "queue" else "right", no_wrap=True)
