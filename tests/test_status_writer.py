@@ -219,13 +219,19 @@ async def test_a_lease_without_a_subscription_is_named(
         "now() - interval '1 minute', now(), now() + interval '5 minutes') RETURNING id",
         [served])
 
+    seen: list[Any] = []
+
     async def broker_listed() -> tuple[int, dict[str, Any]] | None:
         code, report = await status_json(settings)
         named = [u["consumer_id"] for u in report["not_subscribed"]]
+        seen[:] = [report["not_subscribed"], report["consumers"]]
         return (code, report) if named == [ghost] else None
 
-    code, report = await wait_until(broker_listed, 30, interval=1,
-                                    message="the management API lists the real consumer")
+    try:
+        code, report = await wait_until(broker_listed, 60, interval=1,
+                                        message="the management API lists the real consumer")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; last seen: {seen!r}") from None
     assert code == 3
     assert report["not_subscribed"] == [{
         "queue": served, "consumer_id": ghost, "host": "ghost-host", "pid": 4242,

@@ -16,12 +16,7 @@ from typing import Any
 from triggerflow.redact import Redactor
 from triggerflow.settings import Settings
 from triggerflow.store.postgres import Database
-from triggerflow.store.postgres.admin import (
-    ALL_QUEUES,
-    LIVE_WRITERS,
-    OVERDUE_BY_QUEUE,
-    QUEUE_LEASES,
-)
+from triggerflow.store.postgres.admin import ALL_QUEUES, QUEUE_GAUGES
 from triggerflow.transport import QueueInfo
 from triggerflow.transport.rabbitmq import RabbitTransport, Topology
 from triggerflow.wiring import admin_database, rabbit_transport
@@ -160,10 +155,10 @@ class QueueGauges:
     async def poll(self, db: Database, broker: RabbitTransport) -> dict[str, QueueSample]:
         """{queue: sample} for the team queues this process reports and the shared queues."""
         queues = await self._team_queues(db)
-        grace = self.settings.lease_ttl.total_seconds()
-        leases = {r["queue"]: r for r in await db.fetch(QUEUE_LEASES, queues, grace)}
-        overdue = {r["queue"]: int(r["overdue"])
-                   for r in await db.fetch(OVERDUE_BY_QUEUE, queues)}
+        rows: list[Any] = await db.fetch(QUEUE_GAUGES, queues,
+                                         self.settings.lease_ttl.total_seconds())
+        leases = {r["queue"]: r for r in rows if r["queue"] is not None}
+        writers = int(rows[0]["writers"])
         now = time.monotonic()
         snapshot: dict[str, QueueSample] = {}
         for queue in queues:
@@ -178,8 +173,7 @@ class QueueGauges:
                 consumers=int(row["consumers"]) if row else 0,
                 unsubscribed=max(0, expected - info.consumers) if info else None,
                 backlog_seconds=self._backlog(queue, info, now),
-                overdue=overdue.get(queue, 0))
-        writers = int(await db.fetchval(LIVE_WRITERS))
+                overdue=int(row["overdue"]) if row else 0)
         for queue, consumers in ((self.topology.events_queue, writers),
                                  (self.topology.dead_queue, None)):
             info = await self._shared_queue_info(broker, queue)

@@ -121,27 +121,26 @@ UNION
 SELECT unnest(queues) FROM consumer WHERE kind = 'consumer'
 """
 
-LIVE_WRITERS = "SELECT count(*) FROM consumer WHERE kind = 'writer' AND expires_at > now()"
-
-# Per queue: live consumers by lease, and those of them the broker should be delivering to:
-# well below capacity (a consumer pauses its subscription at capacity and resumes under 90%)
-# and registered longer than $2 seconds ago (it subscribes just after registering).
-QUEUE_LEASES = """
-SELECT q AS queue, count(c.id) AS consumers,
-       count(c.id) FILTER (WHERE c.running < c.capacity * 0.9
-                           AND c.started_at < now() - make_interval(secs => $2)) AS expected
-FROM unnest($1::text[]) AS q
-LEFT JOIN consumer c ON c.kind = 'consumer' AND c.expires_at > now() AND q = ANY(c.queues)
-GROUP BY q
-"""
-
-# Deferred tasks more than 10 s past their timeout, by queue (the reaper fails them 2 s
-# after it: any left mean no reaper covers the queue). All queues when $1 is NULL.
-OVERDUE_BY_QUEUE = """
-SELECT coalesce(queue, '') AS queue, count(*) AS overdue FROM task_instance
-WHERE state = 'deferred' AND trigger_timeout < now() - interval '10 seconds'
-  AND ($1::text[] IS NULL OR queue = ANY($1::text[]))
-GROUP BY queue
+# One statement per gauge poll, per queue: live consumers by lease; those of them the broker
+# should be delivering to (well below capacity: a consumer pauses its subscription at
+# capacity and resumes under 90%; registered more than $2 seconds ago: it subscribes just
+# after registering); deferred tasks more than 10 s past their timeout (the reaper fails
+# them 2 s after it: any left mean no reaper covers the queue); and live writers, once
+# (a row with a NULL queue when $1 is empty).
+QUEUE_GAUGES = """
+WITH w AS (SELECT count(*) AS writers FROM consumer WHERE kind = 'writer' AND expires_at > now())
+SELECT q.queue, w.writers,
+       (SELECT count(*) FROM consumer c
+        WHERE c.kind = 'consumer' AND c.expires_at > now() AND q.queue = ANY(c.queues))
+           AS consumers,
+       (SELECT count(*) FROM consumer c
+        WHERE c.kind = 'consumer' AND c.expires_at > now() AND q.queue = ANY(c.queues)
+          AND c.running < c.capacity * 0.9
+          AND c.started_at < now() - make_interval(secs => $2)) AS expected,
+       (SELECT count(*) FROM task_instance ti
+        WHERE ti.state = 'deferred' AND ti.trigger_timeout < now() - interval '10 seconds'
+          AND ti.queue = q.queue) AS overdue
+FROM w LEFT JOIN unnest($1::text[]) AS q(queue) ON true
 """
 
 # Writers by lease, newest first: what ``status`` lists and how long ago each renewed.
