@@ -47,11 +47,11 @@ from triggerflow.store import (
     TriggerRef,
     TriggerSpec,
 )
-from triggerflow.store.postgres.pool import DB_DISCONNECTED, keep_session, session_settings
+from triggerflow.store.postgres.pool import DATA_ERRORS, DB_DISCONNECTED, keep_session, session_settings
 from triggerflow.wire import Event
 
-# Bad content in an event body (not JSON, wrong JSON type): the batch is refused.
-_REFUSED: tuple[type[BaseException], ...] = (asyncpg.DataError,)
+# Bad content in an event body (not JSON, wrong JSON type, nested too deep): refused.
+_REFUSED = DATA_ERRORS
 _DECODE_INLINE = 64  # claimed rows decoded on the loop; more go to a thread
 
 

@@ -25,6 +25,11 @@ DB_DISCONNECTED: tuple[type[BaseException], ...] = (
     asyncpg.InternalClientError,
 )
 
+# What an event's content alone makes PostgreSQL reject: invalid data (SQLSTATE class 22), a
+# payload nested past the server's limits (class 54: "stack depth limit exceeded" parsing a
+# deep jsonb). Such an event is refused and dead-lettered; retried, it would stop every writer.
+DATA_ERRORS: tuple[type[BaseException], ...] = (asyncpg.DataError, asyncpg.ProgramLimitExceededError)
+
 
 async def keep_session(conn: asyncpg.Connection) -> None:
     """Release without asyncpg's reset query (``SELECT pg_advisory_unlock_all(); CLOSE ALL;

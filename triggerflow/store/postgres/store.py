@@ -39,6 +39,7 @@ from triggerflow.store.interface import (
 )
 from triggerflow.store.postgres import statements as sql
 from triggerflow.store.postgres.pool import (
+    DATA_ERRORS,
     DB_DISCONNECTED,
     Record,
     create_pool,
@@ -48,7 +49,7 @@ from triggerflow.wire import Event
 
 # Two writers' batches can still meet on a row; such a statement is simply run again.
 _CONFLICTS = (asyncpg.DeadlockDetectedError, asyncpg.SerializationError)
-_REFUSED = (asyncpg.DataError, asyncpg.IntegrityConstraintViolationError)
+_REFUSED = (*DATA_ERRORS, asyncpg.IntegrityConstraintViolationError)
 PEERS_EVERY = 5.0  # seconds between reads of the peers' counts (rebalancing) on renewal
 
 
