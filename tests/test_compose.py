@@ -62,8 +62,9 @@ def _resolve(argv: list[str]) -> click.Command:
     rest = list(argv)
     while isinstance(command, click.Group) and rest and not rest[0].startswith("-"):
         name = rest.pop(0)
-        assert name in command.commands, f"{' '.join(path)} has no subcommand {name!r}"
-        command = command.commands[name]
+        sub = command.get_command(click.Context(command), name)  # the root group loads lazily
+        assert sub is not None, f"{' '.join(path)} has no subcommand {name!r}"
+        command = sub
         path.append(name)
     assert not isinstance(command, click.Group) or command.invoke_without_command, (
         f"{' '.join(path)} needs a subcommand"

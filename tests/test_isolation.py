@@ -59,6 +59,25 @@ async def test_event_naming_another_teams_trigger_is_dead_lettered_by_default(
     assert await db.fetchval("SELECT state FROM task_instance") == "deferred"
 
 
+@pytest.mark.parametrize("team_users", [False, True])
+async def test_event_naming_its_own_queue_for_another_teams_trigger_changes_nothing(
+    db: Database, procs: Processes, teams: list[str], settings: Settings, team_users: bool,
+) -> None:
+    """Team A's key, team A's queue in the event, team B's trigger id: the routing-key and
+    user checks pass, so only the row's own queue (fenced in APPLY_EVENTS) stops it."""
+    procs.writer(**({"team_users": {teams[0]: "guest", teams[1]: "guest"}} if team_users else {}))
+    victim = await insert_trigger(db, "tests.triggers.EventAfter", "{}", teams[1], 1)
+    own = await insert_trigger(db, "tests.triggers.EventAfter", "{}", teams[0], 2)
+    await publish_raw(settings, teams[0], [
+        Event(victim, 0, teams[0], "success", json.dumps({"stolen": True}), time.time()),
+        Event(own, 0, teams[0], "resume", '"mine"', time.time())])
+    # The second event of the same message applied: the first was seen and ignored.
+    await wait_until(lambda: db.fetchval(
+        "SELECT state = 'scheduled' FROM task_instance WHERE task_id = 't2'"), 10)
+    assert await db.fetchval("SELECT state FROM task_instance WHERE task_id = 't1'") == "deferred"
+    assert await db.fetchval("SELECT count(*) FROM trigger WHERE id = $1", victim) == 1
+
+
 async def test_queue_missing_from_team_users_is_still_checked_against_the_routing_key(
     db: Database, procs: Processes, teams: list[str], settings: Settings,
 ) -> None:

@@ -61,10 +61,11 @@ class Lease:
             before_sleep=_log_retry,
         ):
             with attempt:
+                sent = asyncio.get_running_loop().time()
                 self.me = await self.store.register(
                     self.kind, self.host, os.getpid(), self.queues, self.capacity, __version__,
                     self.ttl)
-        self.deadline = asyncio.get_running_loop().time() + self.budget
+        self.deadline = sent + self.budget
         log.info("registered as %s %s for %s", self.kind, self.me, ",".join(self.queues) or "all",
                  extra={"consumer_id": self.me})
         return self.me
@@ -74,7 +75,11 @@ class Lease:
         (expired in the store, overdue, or the store answered too late) and StoreError when
         the store failed this once (the next renewal may still make it)."""
         loop = asyncio.get_running_loop()
-        remaining = self.deadline - loop.time()
+        # The row's new expiry is the database's now() + ttl, and that now() is no earlier
+        # than this moment: counting the budget from here, not from the answer, keeps a slow
+        # renewal from stretching our deadline past the row's.
+        sent = loop.time()
+        remaining = self.deadline - sent
         if remaining <= 0:
             raise LeaseLost("renewal overdue (loop stalled or database unreachable)")
         try:
@@ -86,7 +91,7 @@ class Lease:
             raise LeaseLost("renewal timed out") from None
         if result is None:
             raise LeaseLost("lease had expired in the database")
-        self.deadline = loop.time() + self.budget
+        self.deadline = sent + self.budget
         return result
 
     async def leave(self) -> None:
