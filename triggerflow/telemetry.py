@@ -210,10 +210,10 @@ def setup(
     if readers:
         metrics.set_meter_provider(MeterProvider(resource=resource, metric_readers=readers))
     if metrics_port:
-        from prometheus_client import start_http_server
+        from triggerflow import health
 
-        try:
-            start_http_server(metrics_port)
+        try:  # /metrics beside the probes' /livez and /readyz
+            health.serve(metrics_port)
         except OSError as exc:
             raise RuntimeError(f"cannot serve metrics on port {metrics_port}: {exc}") from exc
     if trace_file or otlp_endpoint:

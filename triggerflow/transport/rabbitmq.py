@@ -30,6 +30,7 @@ from aio_pika.abc import (
 from yarl import URL
 
 from triggerflow.transport.interface import (
+    AccessRefused,
     DeliveryHandler,
     PublishRefused,
     QueueInfo,
@@ -58,12 +59,21 @@ CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
 )
 
 
+# The broker refused who we are: a wrong password or unknown user (RabbitMQ closes the
+# connection during the handshake) or a virtual host this user may not open.
+ACCESS_ERRORS: tuple[type[BaseException], ...] = (
+    aiormq.exceptions.ProbableAuthenticationError,
+    aiormq.exceptions.AuthenticationError,
+    aiormq.exceptions.ConnectionNotAllowed,
+)
 
 
 @contextlib.asynccontextmanager
 async def _connection_errors() -> AsyncIterator[None]:
     try:
         yield
+    except ACCESS_ERRORS as exc:
+        raise AccessRefused(f"{type(exc).__name__}: {exc}") from exc
     except CONNECTION_ERRORS as exc:
         raise TransportUnavailable(repr(exc)) from exc
 

@@ -16,9 +16,10 @@ import logging
 from collections.abc import Awaitable, Callable
 from functools import partial
 
-from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_exponential_jitter
+from tenacity import wait_exponential_jitter
 
-from triggerflow.transport.interface import DeliveryHandler, Transport
+from triggerflow.refusals import Refusals
+from triggerflow.transport.interface import AccessRefused, DeliveryHandler, Transport
 
 log = logging.getLogger(__name__)
 
@@ -29,18 +30,14 @@ class ConnectionLost(Exception):
     """The transport's connection closed while we were watching it."""
 
 
-def _log_retry(state: RetryCallState) -> None:
-    exc = state.outcome.exception() if state.outcome else None
-    wait = state.next_action.sleep if state.next_action else 0.0
-    log.warning("broker unavailable (%r); retrying in %.1fs", exc, wait)
-
-
 class Subscriptions:
     """The queues one loop consumes (and its control queue), kept subscribed.
 
     ``prefetch`` bounds unacked deliveries per subscription; ``check_interval`` is how often
     they are checked; ``renew`` re-subscribes on every check (see the module docstring).
-    While ``paused`` (a consumer at capacity) the team queues are not subscribed.
+    While ``paused`` (a consumer at capacity) the team queues are not subscribed. A broker
+    that refuses our credentials ``refusals.ACCESS_ATTEMPTS`` times in a row ends :meth:`run`
+    with :class:`AccessRefused`; :meth:`problem` says why we are not subscribed, for readiness.
     """
 
     def __init__(self, transport: Transport, *, prefetch: int, check_interval: float,
@@ -57,6 +54,7 @@ class Subscriptions:
         self._tags: dict[str, str] = {}
         self._control: tuple[int, DeliveryHandler] | None = None
         self._control_tag: str | None = None
+        self.refusals = Refusals("the broker", AccessRefused, log)
 
     def add(self, queue: str, handler: DeliveryHandler) -> None:
         self._wanted[queue] = partial(self.transport.subscribe, queue, handler,
@@ -77,6 +75,16 @@ class Subscriptions:
     def subscribed(self) -> list[str]:
         return list(self._tags)
 
+    def problem(self) -> str | None:
+        """Why we are not consuming what we should, or None. Read from the health server's
+        thread: it only copies attributes the loop sets."""
+        if not self.connected.is_set():
+            return f"not connected ({self.refusals.last_error or 'connecting'})"
+        if self.paused or self.stopped:
+            return None  # at capacity (or stopping) on purpose
+        missing = set(self._wanted) - set(self._tags)
+        return f"not subscribed to {', '.join(sorted(missing))}" if missing else None
+
     # -- the loop ------------------------------------------------------------------------
 
     async def run(self, on_connected: Callable[[], None] | None = None,
@@ -84,11 +92,8 @@ class Subscriptions:
         """Keep everything subscribed until cancelled. ``on_connected`` runs after each
         (re)subscription, ``on_lost`` after each loss: unacked deliveries die with it."""
         while True:
-            async for attempt in AsyncRetrying(
-                retry=retry_if_exception_type(Exception),
-                wait=wait_exponential_jitter(multiplier=0.5, max=10, jitter=0.5),
-                before_sleep=_log_retry,
-            ):
+            async for attempt in self.refusals.retrying(
+                    Exception, wait_exponential_jitter(multiplier=0.5, max=10, jitter=0.5)):
                 with attempt:
                     try:
                         await self._session(on_connected)
@@ -105,6 +110,7 @@ class Subscriptions:
         await self.open()
         if self._control is not None:
             await self._subscribe_control()
+        self.refusals.reset()
         self.connected.set()
         if on_connected is not None:
             on_connected()

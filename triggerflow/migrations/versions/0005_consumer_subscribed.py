@@ -1,0 +1,29 @@
+"""Whether a consumer is subscribed on the broker, as of its last renewal.
+
+A consumer that cannot reach the broker (a wrong password, a refused vhost) still renews its
+lease, but receives nothing. Counted as a live peer it made its healthy peers shed triggers
+to it every few seconds and diluted the consumers-per-queue gauge that scaling reads; the
+renewal now records ``subscribed`` and only subscribed consumers are counted as capacity.
+The lease and its fencing are unchanged: they still go by ``expires_at`` alone.
+
+Revision ID: 0005
+"""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+from alembic import op
+
+revision = "0005"
+down_revision = "0004"
+branch_labels = None
+depends_on = None
+
+
+def upgrade() -> None:
+    op.add_column("consumer", sa.Column("subscribed", sa.Boolean, nullable=False,
+                                        server_default=sa.false()))
+
+
+def downgrade() -> None:
+    op.drop_column("consumer", "subscribed")
