@@ -4,7 +4,8 @@ the reference host (the demo's resumer). Not on any hot path of the loops.
 
 STATUS_CONSUMERS = """
 SELECT id, kind, host, pid, queues, capacity, running, version, started_at, renewed_at,
-       expires_at, expires_at > now() AS alive, cardinality(probation) AS on_probation
+       expires_at, expires_at > now() AS alive, cardinality(probation) AS on_probation,
+       subscribed
 FROM consumer ORDER BY kind, id
 """
 
