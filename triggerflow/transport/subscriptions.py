@@ -55,6 +55,7 @@ class Subscriptions:
         self._control: tuple[int, DeliveryHandler] | None = None
         self._control_tag: str | None = None
         self.refusals = Refusals("the broker", AccessRefused, log)
+        self._renewing: set[str] = set()  # healthy subscriptions being renewed right now
 
     def add(self, queue: str, handler: DeliveryHandler) -> None:
         self._wanted[queue] = partial(self.transport.subscribe, queue, handler,
@@ -82,7 +83,7 @@ class Subscriptions:
             return f"not connected ({self.refusals.last_error or 'connecting'})"
         if self.paused or self.stopped:
             return None  # at capacity (or stopping) on purpose
-        missing = set(self._wanted) - set(self._tags)
+        missing = set(self._wanted) - set(self._tags) - set(self._renewing)
         return f"not subscribed to {', '.join(sorted(missing))}" if missing else None
 
     # -- the loop ------------------------------------------------------------------------
@@ -159,19 +160,24 @@ class Subscriptions:
 
     async def check(self) -> None:
         """Re-subscribe what the broker dropped; with ``renew``, renew the rest too."""
-        for queue, tag in list(self._tags.items()):
-            consuming = await self.transport.is_consuming(tag)
-            if consuming and not self.renew:
-                continue
-            if not consuming:
-                log.warning("subscription to %s was cancelled by the broker; re-subscribing",
-                            queue, extra={"queue": queue})
-            elif queue != EVENTS and await self.transport.queue_info(queue) is None:
-                log.error("queue %s no longer exists on the broker", queue, extra={"queue": queue})
-            else:
-                with contextlib.suppress(Exception):
-                    await self.transport.unsubscribe(tag)
-            del self._tags[queue]
-        if self._control_tag and not await self.transport.is_consuming(self._control_tag):
-            await self._subscribe_control()
-        await self.open()
+        try:
+            for queue, tag in list(self._tags.items()):
+                consuming = await self.transport.is_consuming(tag)
+                if consuming and not self.renew:
+                    continue
+                if not consuming:
+                    log.warning("subscription to %s was cancelled by the broker; "
+                                "re-subscribing", queue, extra={"queue": queue})
+                elif queue != EVENTS and await self.transport.queue_info(queue) is None:
+                    log.error("queue %s no longer exists on the broker", queue,
+                              extra={"queue": queue})
+                else:
+                    self._renewing.add(queue)  # dropped on purpose, for a few milliseconds
+                    with contextlib.suppress(Exception):
+                        await self.transport.unsubscribe(tag)
+                del self._tags[queue]
+            if self._control_tag and not await self.transport.is_consuming(self._control_tag):
+                await self._subscribe_control()
+            await self.open()
+        finally:
+            self._renewing.clear()
