@@ -227,3 +227,18 @@ async def test_database_refusing_the_role_is_retried_then_exits_with_one_line(
     assert len(exits) == 1, log
     assert f"exiting: the database refused our credentials {ACCESS_ATTEMPTS} times" in exits[0]
     assert "Traceback" not in log
+
+
+async def test_a_refused_virtual_host_is_named_and_ends_the_consumer(
+    procs: Processes, teams: list[str], settings: Settings
+) -> None:
+    port = free_port()
+    elsewhere = str(URL(settings.amqp_dsn()).with_path("/tf-no-such-vhost"))
+    consumer = procs.consume(teams[0], metrics_port=port, amqp_url=elsewhere)
+    body = await probe_until(port, "/readyz", 503, containing="tf-no-such-vhost")
+    assert body["checks"]["broker"] == (
+        "not connected (AccessRefused: the broker refused to open virtual host "
+        "'tf-no-such-vhost' for user 'guest')")
+    assert await asyncio.to_thread(consumer.wait, 120) == 1
+    exits = [line for line in procs.log(consumer).splitlines() if "exiting:" in line]
+    assert len(exits) == 1 and "virtual host 'tf-no-such-vhost'" in exits[0], exits

@@ -176,9 +176,19 @@ class RabbitTransport:
             await self.close()
         self.closed.clear()
         async with _connection_errors():
-            self.connection = await aio_pika.connect(
-                self.url, client_properties={"connection_name": self.name}
-            )
+            try:
+                self.connection = await aio_pika.connect(
+                    self.url, client_properties={"connection_name": self.name}
+                )
+            except aiormq.exceptions.InvalidFrameError as exc:
+                # RabbitMQ answers Connection.Open with Connection.Close (530 NOT_ALLOWED) for
+                # a vhost this user may not open or that does not exist; aiormq reports only
+                # the unexpected frame.
+                if "Connection.Close" not in str(exc):
+                    raise
+                raise AccessRefused(f"the broker refused to open virtual host "
+                                    f"{URL(self.url).path[1:] or '/'!r} for user "
+                                    f"{self.user!r}") from exc
             self.connection.close_callbacks.add(lambda *_: self.closed.set())
             self.channel = await self.connection.channel(
                 publisher_confirms=True, on_return_raises=True
