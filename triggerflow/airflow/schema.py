@@ -46,10 +46,11 @@ CREATE TABLE IF NOT EXISTS {SCHEMA}.consumer (
     renewed_at timestamptz NOT NULL DEFAULT now(),
     expires_at timestamptz NOT NULL,
     -- subscribed on the broker as of its last renewal: only then is it counted as capacity
-    subscribed boolean NOT NULL DEFAULT false
+    -- (registrations write false; true is for rows of processes older than the column)
+    subscribed boolean NOT NULL DEFAULT true
 );
 -- schema version 2: a schema set up at version 1 gains the column in place
-ALTER TABLE {SCHEMA}.consumer ADD COLUMN IF NOT EXISTS subscribed boolean NOT NULL DEFAULT false;
+ALTER TABLE {SCHEMA}.consumer ADD COLUMN IF NOT EXISTS subscribed boolean NOT NULL DEFAULT true;
 
 -- Bookkeeping per Airflow trigger row (keyed by Airflow's trigger.id, no foreign key: a
 -- foreign key would put triggers of ours on Airflow's table; orphans are reaped instead).

@@ -12,8 +12,9 @@ from __future__ import annotations
 from triggerflow.airflow.schema import SCHEMA
 
 REGISTER = f"""
-INSERT INTO {SCHEMA}.consumer (kind, host, pid, queues, capacity, version, expires_at)
-VALUES ($1, $2, $3, $4::text[], $5, $6, now() + make_interval(secs => $7))
+INSERT INTO {SCHEMA}.consumer (kind, host, pid, queues, capacity, version, expires_at,
+                      subscribed)
+VALUES ($1, $2, $3, $4::text[], $5, $6, now() + make_interval(secs => $7), false)
 RETURNING id
 """
 

@@ -6,6 +6,9 @@ to it every few seconds and diluted the consumers-per-queue gauge that scaling r
 renewal now records ``subscribed`` and only subscribed consumers are counted as capacity.
 The lease and its fencing are unchanged: they still go by ``expires_at`` alone.
 
+The default is true, for the rows of processes older than this column (during a rolling
+upgrade they are counted as before); every registration from now on writes false.
+
 Revision ID: 0005
 """
 
@@ -22,7 +25,7 @@ depends_on = None
 
 def upgrade() -> None:
     op.add_column("consumer", sa.Column("subscribed", sa.Boolean, nullable=False,
-                                        server_default=sa.false()))
+                                        server_default=sa.true()))
 
 
 def downgrade() -> None:

@@ -73,9 +73,12 @@ SELECT id, NULL, true FROM orphan
 
 # -- consumer
 
+# Not counted as capacity until its first renewal says it is subscribed on the broker (the
+# column defaults to true only for rows of processes older than it, during an upgrade).
 REGISTER = """
-INSERT INTO consumer (kind, host, pid, queues, capacity, version, expires_at)
-VALUES ($1, $2, $3, $4::text[], $5, $6, now() + make_interval(secs => $7))
+INSERT INTO consumer (kind, host, pid, queues, capacity, version, expires_at,
+                      subscribed)
+VALUES ($1, $2, $3, $4::text[], $5, $6, now() + make_interval(secs => $7), false)
 RETURNING id
 """
 
