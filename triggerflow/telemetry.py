@@ -1,10 +1,11 @@
 """Every metric, span and log-context name, defined once.
 
 Metrics are OpenTelemetry instruments, exposed on a Prometheus endpoint (``metrics_port``,
-served by :mod:`triggerflow.health` beside ``/livez`` and ``/readyz``) and optionally over OTLP. Names follow Airflow's triggerer where the meaning is the same
-(``triggers.running``, ``triggers.blocked_main_thread``, ``capacity_left``...) under a
-``triggerflow.`` prefix. Traces carry W3C ``traceparent`` through AMQP headers and the
-trigger row; a waiting trigger holds only that string, never an open span.
+served by :mod:`triggerflow.health` beside ``/livez`` and ``/readyz``) and optionally over
+OTLP. Names follow Airflow's triggerer where the meaning is the same (``triggers.running``,
+``triggers.blocked_main_thread``, ``capacity_left``...) under a ``triggerflow.`` prefix.
+Traces carry W3C ``traceparent`` through AMQP headers and the trigger row; a waiting trigger
+holds only that string, never an open span.
 
 Order does not matter: ``meter`` and ``tracer`` are the API's proxies, so instruments made
 before ``setup()`` (a module that calls ``get_metrics()`` at import) are bound to the real
