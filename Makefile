@@ -4,17 +4,25 @@
 # them when down); `make bench` runs on a fresh pair with pg_stat_statements preloaded.
 VENV := .venv
 BIN := $(VENV)/bin
+# The demo needs the package alone; the suite adds the dev tools and Airflow (for Airflow
+# mode's tests): 95 more distributions the demo never imports.
+STAMP_RUN := $(VENV)/.installed-run
 STAMP := $(VENV)/.installed
 
-.PHONY: venv services tools test demo lint bench
+.PHONY: venv services tools test check demo lint bench
 
 venv: $(STAMP)
 
 # Reinstall whenever pyproject.toml changes (new dependencies, entry points).
+$(STAMP_RUN): pyproject.toml
+	test -x $(BIN)/python || python3 -m venv $(VENV)
+	$(BIN)/pip install -e .
+	touch $@
+
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || python3 -m venv $(VENV)
 	$(BIN)/pip install -e '.[dev,airflow]'
-	touch $@
+	touch $@ $(STAMP_RUN)
 
 services:
 	.ci/services
@@ -26,13 +34,17 @@ tools:
 test: venv tools
 	$(BIN)/pytest -q $(PYTEST_ARGS)
 
-demo: venv services
+demo: $(STAMP_RUN) services
 	$(BIN)/triggerflow demo
 
 lint: venv
 	$(BIN)/ruff check
 	$(BIN)/mypy triggerflow
 	$(BIN)/lint-imports
+
+# Everyday work: lint, types, import contracts and the tests that need no service.
+check: lint
+	$(BIN)/pytest -q -m inprocess
 
 bench: venv
 	$(BIN)/python -m tests.services -- $(BIN)/triggerflow bench $(BENCH_ARGS)

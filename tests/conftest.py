@@ -236,6 +236,14 @@ class Processes:
         self.supervisor.stop_all(sig=signal.SIGKILL, grace=10)
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark the tests that use no service (no ``services`` fixture, however indirect):
+    ``make check`` runs them alone, in seconds."""
+    for item in items:
+        if "services" not in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.inprocess)
+
+
 CALL_FAILED = pytest.StashKey[bool]()  # set per test by the hook below, read by ``procs``
 
 

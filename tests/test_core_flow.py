@@ -13,7 +13,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 from tests.conftest import ROOT, Processes, settings_env, wait_until
-from tests.triggers import EventAfter, Raises, WaitsForever
+from tests.triggers import EventAfter, Mistaken, Raises, WaitsForever
 from triggerflow.model import TaskKey
 from triggerflow.sdk import Deferral, TriggerflowClient
 from triggerflow.settings import Settings
@@ -89,6 +89,27 @@ async def test_raising_trigger_resumes_into_fail_with_traceback(
     assert row["nk"]["error"] == "Trigger failure"
     assert "kaput" in row["nk"]["message"] and "tests.triggers.Raises" in row["nk"]["message"]
     assert any("ValueError: kaput" in line for line in row["nk"]["traceback"])
+
+
+async def test_trigger_ending_without_a_valid_event_fails_its_task_naming_the_mistake(
+    client: TriggerflowClient, db: Database, procs: Processes, teams: list[str]
+) -> None:
+    """CancelledError raised by the trigger itself, None or a dict yielded: each task ends in
+    __fail__ at once (not at its 7-day timeout) and the consumer goes on serving."""
+    procs.writer()
+    procs.consume(teams[0])
+    mistakes = {"cancelled": "raised CancelledError itself", "none": "yielded NoneType",
+                "dict": "yielded dict"}
+    await client.defer_many([Deferral(key(i), Mistaken(mistake=m), teams[0])
+                             for i, m in enumerate(mistakes)])
+    await client.defer(key(9), EventAfter(delay=0.2, payload="after"), queue=teams[0])
+    await wait_until(lambda: db.fetchval(
+        "SELECT count(*) = 4 FROM task_instance WHERE state = 'scheduled'"), 15)
+    for i, words in enumerate(mistakes.values()):
+        row = await ti(db, key(i))
+        assert row["next_method"] == "__fail__", row
+        assert words in row["nk"]["message"] and "tests.triggers.Mistaken" in row["nk"]["message"]
+    assert (await ti(db, key(9)))["nk"] == {"event": "after"}
 
 
 async def test_timeout_fails_task_and_runs_cleanup(

@@ -123,19 +123,27 @@ async def test_paused_consumer_is_fenced_and_reregisters(
     sleeper_id = await consumer_id(db, sleeper)
     await client.defer_many(timers(200, 8, teams[0]))
     await wait_until(lambda: all_owned_by(db, sleeper_id, 200), 15)
-    sleeper.send_signal(signal.SIGSTOP)
-    peer = procs.consume(teams[0])
-    peer_id = await consumer_id(db, peer)
-    await wait_until(lambda: all_owned_by(db, peer_id, 200), 15, message="peer took over")
-    await wait_until(lambda: db.fetchval(
-        "SELECT count(*) = 200 FROM task_instance WHERE state = 'scheduled'"), 15)
-    applied = await db.fetchval("SELECT max(updated_at) FROM task_instance")
-    sleeper.send_signal(signal.SIGCONT)  # its timers are overdue: it must not emit them
-    new_id = await wait_until(lambda: db.fetchval(
-        "SELECT id FROM consumer WHERE pid = $1 AND id > $2 AND expires_at > now()",
-        sleeper.pid, sleeper_id), 10, message="woken consumer re-registered")
-    assert new_id > sleeper_id
-    await asyncio.sleep(1.5)
+    from tests.test_stuck_faults import spy_on_events  # it imports this module's helpers
+
+    # A spy on the events exchange sees what each consumer publishes, whatever the writer's
+    # fencing makes of it: the peer's 200 events at attempt 2, and nothing of the woken
+    # sleeper's attempt 1 (its timers are overdue when it wakes; it must emit none of them).
+    async with spy_on_events(client.settings) as spy:
+        sleeper.send_signal(signal.SIGSTOP)
+        peer = procs.consume(teams[0])
+        peer_id = await consumer_id(db, peer)
+        await wait_until(lambda: all_owned_by(db, peer_id, 200), 15, message="peer took over")
+        await wait_until(lambda: db.fetchval(
+            "SELECT count(*) = 200 FROM task_instance WHERE state = 'scheduled'"), 15)
+        applied = await db.fetchval("SELECT max(updated_at) FROM task_instance")
+        sleeper.send_signal(signal.SIGCONT)
+        new_id = await wait_until(lambda: db.fetchval(
+            "SELECT id FROM consumer WHERE pid = $1 AND id > $2 AND expires_at > now()",
+            sleeper.pid, sleeper_id), 10, message="woken consumer re-registered")
+        assert new_id > sleeper_id
+        await asyncio.sleep(1.5)
+    assert len(spy.by_attempt(2)) == 200
+    assert spy.by_attempt(1) == set(), "the fenced consumer published its stale attempt"
     assert await db.fetchval("SELECT max(updated_at) FROM task_instance") == applied
     assert "lease lost" in procs.log(sleeper)
 
@@ -201,13 +209,18 @@ async def test_broker_connection_closed_and_app_restarted_lose_nothing(
     await client.defer_many(timers(300, 3, teams[0], dag="a"))
     await wait_until(lambda: db.fetchval(
         "SELECT count(*) = 300 FROM trigger WHERE owner_id IS NOT NULL"), 15)
-    for name in ("triggerflow-consumer", "triggerflow-writer"):
-        close_connections(services, name, "test: closing")
+    # Witness: the close lands while the 300 timers are held, not after they were applied.
+    pending = await db.fetchval("SELECT count(*) FROM trigger WHERE queue = $1", teams[0])
+    closed = sum(close_connections(services, name, "test: closing")
+                 for name in ("triggerflow-consumer", "triggerflow-writer"))
+    assert pending > 0 and closed >= 2, (pending, closed)
     await wait_until(lambda: db.fetchval(
         "SELECT count(*) = 300 FROM task_instance WHERE dag_id = 'a' AND state = 'scheduled'"),
         30, message="all applied after close_connection")
     await client.defer_many(timers(300, 8, teams[0], dag="b"))
     await asyncio.sleep(1)
+    assert await db.fetchval(  # witness: the broker goes away with dag b's work still to do
+        "SELECT count(*) FROM task_instance WHERE dag_id = 'b' AND state = 'deferred'") > 0
     await asyncio.to_thread(node.stop_app)
     try:
         await asyncio.sleep(3)
@@ -224,7 +237,7 @@ async def test_postgres_restart_mid_run_loses_no_event(
     services: SuiteServices,
 ) -> None:
     services.owned("pg")  # skip before starting anything when PostgreSQL is not ours
-    procs.writer()
+    writer = procs.writer()
     procs.consume(teams[0])
     # Events fire over ~6 s so the restart lands while the writer is applying batches.
     deferrals = []
@@ -233,8 +246,14 @@ async def test_postgres_restart_mid_run_loses_no_event(
         moment = now + timedelta(seconds=3 + (i % 60) / 10)
         deferrals.append(Deferral(TaskKey("pg", f"t{i}", "r"), DateTimeTrigger(moment), teams[0]))
     await client.defer_many(deferrals)
-    await asyncio.sleep(4)
+    # Witness: the restart lands mid-burst, after the first events were applied and with
+    # most still to come (they fire until +9 s).
+    await wait_until(lambda: db.fetchval(
+        "SELECT count(*) > 0 FROM task_instance WHERE state = 'scheduled'"), 15)
+    applied_before = await db.fetchval(
+        "SELECT count(*) FROM task_instance WHERE state = 'scheduled'")
     await asyncio.to_thread(services.restart_postgres)
+    assert applied_before < 3000, applied_before
     try:
         await wait_until(lambda: db.fetchval(
             "SELECT count(*) = 3000 FROM task_instance WHERE state = 'scheduled'"), 60,
@@ -245,6 +264,8 @@ async def test_postgres_restart_mid_run_loses_no_event(
         raise AssertionError(f"{exc}: tasks {await states(db)}, triggers left "
                              f"{[tuple(r) for r in left]}") from None
     await wait_until(lambda: db.fetchval("SELECT count(*) = 0 FROM trigger"), 15)
+    # The writer met the outage with events in hand and kept them until it could commit.
+    assert "retrying it" in procs.log(writer), procs.log(writer)[-2000:]
 
 
 async def test_rolling_restart_spreads_triggers(

@@ -23,6 +23,7 @@ from triggerflow.refusals import ACCESS_ATTEMPTS
 from triggerflow.sdk import Deferral, TriggerflowClient
 from triggerflow.settings import Settings
 from triggerflow.store.postgres import Database
+from triggerflow.store.postgres.admin import QUEUE_GAUGES
 from triggerflow.store.postgres.statements import QUEUE_CONSUMERS
 
 Probe = tuple[int, dict[str, Any]]
@@ -124,8 +125,10 @@ async def test_consumer_refused_by_the_broker_is_not_ready_not_counted_and_exits
     assert served["consumers"] == 1, served
     assert {c["id"] for c in report["consumers"] if c["alive"]} >= {good_id, bad_id}
     # The per-queue consumer count that triggerflow_queue_consumers (and KEDA) reads.
-    counted = await db.fetch(QUEUE_CONSUMERS, [queue])
+    counted = await db.fetch(QUEUE_CONSUMERS, [queue])  # the reaper's
     assert [(r["q"], r["consumers"]) for r in counted] == [(queue, 1)]
+    gauges = await db.fetch(QUEUE_GAUGES, [queue], 0.0)  # triggerflow_queue_consumers's
+    assert [(r["queue"], r["consumers"], r["expected"]) for r in gauges] == [(queue, 1, 2)]
 
     # It keeps trying, a bounded number of times, each logged, then exits with one line.
     assert await asyncio.to_thread(bad.wait, 120) != 0

@@ -59,6 +59,25 @@ async def test_event_naming_another_teams_trigger_is_dead_lettered_by_default(
     assert await db.fetchval("SELECT state FROM task_instance") == "deferred"
 
 
+@pytest.mark.parametrize("team_users", [False, True])
+async def test_event_naming_its_own_queue_for_another_teams_trigger_changes_nothing(
+    db: Database, procs: Processes, teams: list[str], settings: Settings, team_users: bool,
+) -> None:
+    """Team A's key, team A's queue in the event, team B's trigger id: the routing-key and
+    user checks pass, so only the row's own queue (fenced in APPLY_EVENTS) stops it."""
+    procs.writer(**({"team_users": {teams[0]: "guest", teams[1]: "guest"}} if team_users else {}))
+    victim = await insert_trigger(db, "tests.triggers.EventAfter", "{}", teams[1], 1)
+    own = await insert_trigger(db, "tests.triggers.EventAfter", "{}", teams[0], 2)
+    await publish_raw(settings, teams[0], [
+        Event(victim, 0, teams[0], "success", json.dumps({"stolen": True}), time.time()),
+        Event(own, 0, teams[0], "resume", '"mine"', time.time())])
+    # The second event of the same message applied: the first was seen and ignored.
+    await wait_until(lambda: db.fetchval(
+        "SELECT state = 'scheduled' FROM task_instance WHERE task_id = 't2'"), 10)
+    assert await db.fetchval("SELECT state FROM task_instance WHERE task_id = 't1'") == "deferred"
+    assert await db.fetchval("SELECT count(*) FROM trigger WHERE id = $1", victim) == 1
+
+
 async def test_queue_missing_from_team_users_is_still_checked_against_the_routing_key(
     db: Database, procs: Processes, teams: list[str], settings: Settings,
 ) -> None:
@@ -81,6 +100,28 @@ async def test_unknown_event_kind_is_dead_lettered_and_never_becomes_a_state(
     letters = await dead_letters(settings, 1)
     assert letters and "unknown event kind 'pwned'" in letters[0][1]
     assert await db.fetchval("SELECT state FROM task_instance") == "deferred"
+
+
+async def test_event_nested_past_the_servers_limits_is_refused_and_other_teams_go_on(
+    db: Database, procs: Processes, teams: list[str], settings: Settings,
+) -> None:
+    """Team A's own event with a payload nested 20,000 deep makes PostgreSQL raise "stack depth
+    limit exceeded" (SQLSTATE 54001): a refused event, dead-lettered, not a retry that stops
+    every writer while team B's events wait behind it."""
+    procs.writer()
+    own = await insert_trigger(db, "tests.triggers.EventAfter", "{}", teams[0], 1)
+    other = await insert_trigger(db, "tests.triggers.EventAfter", "{}", teams[1], 2)
+    deep = "[" * 20_000 + "]" * 20_000
+    await publish_raw(settings, teams[0], [Event(own, 0, teams[0], "resume", deep, time.time())])
+    await publish_raw(settings, teams[1], [Event(other, 0, teams[1], "resume", '{"ok": 1}', time.time())])
+    letters = await dead_letters(settings, 1)
+    assert letters and "stack depth" in letters[0][1]
+    assert await wait_until(lambda: db.fetchval(
+        "SELECT state = 'scheduled' FROM task_instance WHERE task_id = 't2'"), 10)
+    # A's own task ends in __fail__ naming the refusal, as the writer does for any refused event.
+    failed = await db.fetchrow("SELECT next_method, next_kwargs::text AS kw FROM task_instance "
+                               "WHERE task_id = 't1'")
+    assert failed["next_method"] == "__fail__" and "stack depth" in failed["kw"]
 
 
 async def test_store_ignores_an_unknown_kind_even_when_asked_directly(
@@ -307,6 +348,44 @@ async def test_team_database_role_reaches_only_its_own_queues_rows(
     rows = dict(await db.fetch("SELECT task_id, state FROM task_instance"))
     assert rows == {"t1": "deferred", "mine": "deferred"}
     assert await db.fetchval("SELECT count(*) FROM trigger") == 2
+
+
+async def test_team_cannot_point_its_tasks_at_another_teams_trigger(
+    db: Database, dsn: str, procs: Processes, teams: list[str], settings: Settings,
+    topology: Topology,
+) -> None:
+    """Trigger ids share one sequence: team A's SDK role, row security and all, inserted task
+    rows in its own queue that named team B's trigger, read B's result when the writer applied
+    B's event, and had the reaper delete B's trigger through a past timeout. The database now
+    refuses any task row whose trigger is of another queue, inserted or updated."""
+    theirs = await insert_trigger(db, "tests.triggers.EventAfter", "{}", teams[1], 1)
+    async with team_role(db, dsn, teams[0]) as dsn_a:
+        team_a = Settings(**{**settings.model_dump(), "database_url": dsn_a})
+        async with TriggerflowClient(team_a) as c:
+            mine = await c.defer(TaskKey("a", "mine", "r"), EventAfter(), queue=teams[0])
+        conn = await asyncpg.connect(dsn_a)
+        try:
+            with pytest.raises(asyncpg.ForeignKeyViolationError, match="its own queue"):
+                await conn.execute(
+                    "INSERT INTO task_instance (dag_id, task_id, run_id, state, queue, "
+                    "next_method, trigger_id, trigger_timeout) VALUES ('a', 'spy', 'r', "
+                    "'deferred', $1, 'execute_complete', $2, now() - interval '1 hour')",
+                    teams[0], theirs)
+            with pytest.raises(asyncpg.ForeignKeyViolationError, match="its own queue"):
+                await conn.execute("UPDATE task_instance SET trigger_id = $1 WHERE trigger_id = $2",
+                                   theirs, mine)
+        finally:
+            await conn.close()
+    # Not a team matter only: no role, the owner included, can link across queues.
+    with pytest.raises(Exception, match="its own queue"):
+        await db.execute("UPDATE task_instance SET queue = $1 WHERE task_id = 'mine'", teams[1])
+    procs.writer()
+    await publish_raw(settings, teams[1], [Event(theirs, 0, teams[1], "resume", '{"secret": 1}',
+                                                 time.time())])
+    await wait_until(lambda: db.fetchval(
+        "SELECT state = 'scheduled' FROM task_instance WHERE task_id = 't1'"), 10)
+    rows = dict(await db.fetch("SELECT task_id, state FROM task_instance"))
+    assert rows == {"t1": "scheduled", "mine": "deferred"}
 
 
 async def test_team_role_cancels_its_own_task_without_a_grant_on_the_cancel_log(

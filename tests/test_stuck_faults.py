@@ -22,7 +22,7 @@ import pytest
 from tests.conftest import FAST, Processes, SuiteServices, wait_until
 from tests.test_faults import consumer_id
 from tests.test_ops import free_port, scrape_when_up, total
-from tests.triggers import WaitsForever
+from tests.triggers import ReportsPid, WaitsForever
 from triggerflow.model import TaskKey
 from triggerflow.sdk import Deferral, TriggerflowClient
 from triggerflow.settings import Settings
@@ -193,7 +193,7 @@ async def test_an_overdue_task_is_timed_out_even_under_a_live_owner(
     me = await store.register(ProcessKind.CONSUMER, "h", 1, [Q], 10, "v", ttl=60)
     await store.claim(me, ids, [Q])  # held by a live consumer that does not run them
     await asyncio.sleep(2.7)  # timeout + the 2 s slack
-    assert sorted(await store.time_out_orphans([Q], 7 * 86400)) == sorted(ids)
+    assert sorted(r.id for r in await store.time_out_orphans([Q], 7 * 86400)) == sorted(ids)
     assert await db.fetchval("SELECT count(*) FROM task_instance WHERE state = 'deferred'") == 0
 
 
@@ -255,9 +255,11 @@ async def test_lease_expiry_with_events_in_flight_applies_each_task_once(
     async with spy_on_events(settings) as spy:
         owner = procs.consume(q)
         await consumer_id(db, owner)
-        moment = datetime.now(UTC) + timedelta(seconds=1)
+        # Each event names the process that fired it, so which attempt was applied shows in
+        # the task row (two attempts of a DateTimeTrigger would write the same payload).
+        at = time.time() + 1
         ids = await client.defer_many([Deferral(TaskKey("ex", f"t{i}", "r"),
-                                                DateTimeTrigger(moment), q) for i in range(n)])
+                                                ReportsPid(at=at), q) for i in range(n)])
         # No writer yet: the owner's events are published and wait in the events queue.
         await wait_until(lambda: asyncio.sleep(0, spy.by_attempt(1) == set(ids)), 10,
                          message="spy saw the owner's events")
@@ -286,6 +288,9 @@ async def test_lease_expiry_with_events_in_flight_applies_each_task_once(
     assert await db.fetchval(
         "SELECT count(*) FROM task_instance WHERE state = 'scheduled' "
         "AND next_method = 'execute_complete' AND event_applied_at IS NOT NULL") == n
+    # Every applied event is the peer's (attempt 2), though the owner's reached the writer first.
+    fired_by = await db.fetch("SELECT DISTINCT next_kwargs->'event'->>'pid' AS pid FROM task_instance")
+    assert [r["pid"] for r in fired_by] == [str(peer.pid)]
 
 
 async def test_purged_events_leave_no_task_deferred_past_its_timeout(

@@ -19,7 +19,7 @@ from triggerflow.runner import Held, TriggerRunner
 from triggerflow.settings import Settings
 from triggerflow.store import KwargsError, KwargsProblem, TriggerSpec
 from triggerflow.triggers import DateTimeTrigger, TimeDeltaTrigger
-from triggerflow.triggers.base import BaseTrigger, TriggerEvent
+from triggerflow.triggers.base import BaseTrigger, TimerTrigger, TriggerEvent
 from triggerflow.wire import (
     Event,
     PayloadError,
@@ -198,6 +198,55 @@ async def test_runner_emits_the_timers_of_one_instant_together() -> None:
         await asyncio.sleep(0)
     assert sorted(i for i, _ in singles) == list(range(1000, 1100))
     assert {k for _, k in singles} == {EventKind.RESUME} and len(runner) == 0
+
+
+class _PayloadBreaksAtFire(TimerTrigger):
+    """A timer whose event builds at start (so it is accepted) and raises when it fires."""
+
+    broken = False
+
+    def __init__(self, moment: float) -> None:
+        super().__init__()
+        self.moment = moment
+
+    def serialize(self) -> tuple[str, dict[str, Any]]:
+        return ("tests.test_units._PayloadBreaksAtFire", {"moment": self.moment})
+
+    def deadline(self) -> float:
+        return self.moment
+
+    async def run(self) -> AsyncIterator[TriggerEvent]:  # never called: it waits on the heap
+        yield TriggerEvent(None)
+
+    @classmethod
+    def timer_payload(cls, deadline: float) -> Any:
+        if cls.broken:
+            raise ValueError("payload exploded")
+        return deadline
+
+
+async def test_timer_whose_payload_raises_at_fire_time_fails_alone() -> None:
+    """The bad group fails its own tasks; the other timers of the same instant, and later
+    ones, still fire (the heap is re-armed whatever one group did)."""
+    fired: dict[int, tuple[EventKind, Any]] = {}
+    runner = TriggerRunner(lambda held, kind, payload: fired.__setitem__(held.id, (kind, payload)))
+    now = time.time()
+    instant, later = now + 0.05, now + 0.15
+    runner.start(Held(1, 1, "q", "c", None, None, None), _PayloadBreaksAtFire(instant))
+    runner.start(Held(2, 1, "q", "c", None, None, None),
+                 DateTimeTrigger(datetime.fromtimestamp(instant, UTC)))
+    runner.start(Held(3, 1, "q", "c", None, None, None),
+                 DateTimeTrigger(datetime.fromtimestamp(later, UTC)))
+    _PayloadBreaksAtFire.broken = True
+    try:
+        for _ in range(100):
+            if len(fired) == 3:
+                break
+            await asyncio.sleep(0.01)
+    finally:
+        _PayloadBreaksAtFire.broken = False
+    assert fired[1][0] == EventKind.FAIL and "payload exploded" in str(fired[1][1])
+    assert fired[2][0] == fired[3][0] == EventKind.RESUME and len(runner) == 0
 
 
 class _UsesCurrentTask(BaseTrigger):

@@ -106,6 +106,25 @@ class BadPayload(_Simple):
             yield TriggerEvent({"text": "a\x00b"})
 
 
+class Mistaken(_Simple):
+    """Ends without a valid event: raises CancelledError itself, or yields None or a dict."""
+
+    async def run(self) -> AsyncIterator[TriggerEvent]:
+        mistake = self.kwargs["mistake"]
+        if mistake == "cancelled":
+            raise asyncio.CancelledError
+        yield None if mistake == "none" else {"status": "done"}  # type: ignore[misc]
+
+
+class ReportsPid(_Simple):
+    """Fires at ``at`` (epoch seconds) with the pid of the process that ran it: an event
+    that says which attempt it comes from."""
+
+    async def run(self) -> AsyncIterator[TriggerEvent]:
+        await asyncio.sleep(max(0.0, self.kwargs["at"] - time.time()))
+        yield TriggerEvent({"pid": os.getpid()})
+
+
 class NotATrigger:
     def __init__(self, **kwargs: Any) -> None:
         pass

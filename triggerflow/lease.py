@@ -92,6 +92,7 @@ class Lease:
         async for attempt in self.refusals.retrying(
                 StoreError, wait_exponential_jitter(multiplier=0.5, max=5, jitter=0.5)):
             with attempt:
+                sent = asyncio.get_running_loop().time()
                 try:
                     self.me = await self.store.register(
                         self.kind, self.host, os.getpid(), self.queues, self.capacity,
@@ -102,7 +103,7 @@ class Lease:
         self._stored(None)
         self.refusals.reset()
         self.renewed_at = time.monotonic()
-        self.deadline = asyncio.get_running_loop().time() + self.budget
+        self.deadline = sent + self.budget
         log.info("registered as %s %s for %s", self.kind, self.me, ",".join(self.queues) or "all",
                  extra={"consumer_id": self.me})
         return self.me
@@ -113,7 +114,11 @@ class Lease:
         the store failed this once (the next renewal may still make it). ``subscribed``:
         whether we are subscribed on the broker (only then are we counted as capacity)."""
         loop = asyncio.get_running_loop()
-        remaining = self.deadline - loop.time()
+        # The row's new expiry is the database's now() + ttl, and that now() is no earlier
+        # than this moment: counting the budget from here, not from the answer, keeps a slow
+        # renewal from stretching our deadline past the row's.
+        sent = loop.time()
+        remaining = self.deadline - sent
         if remaining <= 0:
             self.renewed_at = None
             raise LeaseLost("renewal overdue (loop stalled or database unreachable)")
@@ -135,7 +140,7 @@ class Lease:
             self.renewed_at = None
             raise LeaseLost("lease had expired in the database")
         self.renewed_at = time.monotonic()
-        self.deadline = loop.time() + self.budget
+        self.deadline = sent + self.budget
         return result
 
     async def keep(self, *, subscribed: bool) -> None:

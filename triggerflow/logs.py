@@ -43,11 +43,27 @@ class TextFormatter(logging.Formatter):
         return super().format(record)
 
 
+FORMATTERS: dict[str, type[logging.Formatter]] = {"text": TextFormatter, "json": JsonFormatter}
+
+
 def setup(level: str = "INFO", fmt: str = "text") -> None:
+    """Root logging at ``level`` in format ``fmt`` (``text``/``json``, any case; another is an
+    error, never a silent fallback)."""
+    if fmt.lower() not in FORMATTERS:
+        raise ValueError(f"log format {fmt!r}: use text or json")
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
+    handler.setFormatter(FORMATTERS[fmt.lower()]())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
+    quiet_client_libraries(root.level)
+
+
+def quiet_client_libraries(level: int) -> None:
+    """The AMQP client and asyncio log at WARNING or above; aiormq's ERROR for each failed
+    connect only at DEBUG, since the caller reports that failure itself (one line, or a
+    retry warning) and the two would say it twice."""
     for noisy in ("aio_pika", "aiormq", "asyncio"):
-        logging.getLogger(noisy).setLevel(max(logging.WARNING, root.level))
+        logging.getLogger(noisy).setLevel(max(logging.WARNING, level))
+    logging.getLogger("aiormq.connection").setLevel(
+        logging.DEBUG if level <= logging.DEBUG else logging.CRITICAL)

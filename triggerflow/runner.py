@@ -269,11 +269,23 @@ class TriggerRunner:
         """The trigger's first event, exception or cancellation: finish it, then close it."""
         assert isinstance(task, _TriggerTask)
         held = task.held
-        if not task.cancelled():
+        if task.cancelled():
+            # Every cancel of ours takes the trigger out of ``running`` first: one still
+            # there raised CancelledError itself, and would leave its task deferred.
+            self._finish(held, EventKind.FAIL, failure(
+                FailureReason.TRIGGER_FAILURE,
+                f"trigger {held.classpath} raised CancelledError itself"))
+        else:
             exc = task.exception()
             if exc is None:
-                event: TriggerEvent = task.result()
-                self._finish(held, getattr(event, "kind", EventKind.RESUME), event.payload)
+                event = task.result()
+                if isinstance(event, TriggerEvent):
+                    self._finish(held, event.kind, event.payload)
+                else:
+                    self._finish(held, EventKind.FAIL, failure(
+                        FailureReason.TRIGGER_FAILURE,
+                        f"trigger {held.classpath} yielded {type(event).__name__}, "
+                        "not a TriggerEvent"))
             elif isinstance(exc, StopAsyncIteration):
                 self._finish(held, EventKind.FAIL, failure(
                     FailureReason.TRIGGER_FAILURE,

@@ -1,14 +1,29 @@
-"""One typed settings object. Every field is a CLI flag and a ``TRIGGERFLOW_*`` env var."""
+"""One typed settings object. Every field is a CLI flag and a ``TRIGGERFLOW_*`` env var.
+
+The variables are read here (not by pydantic-settings, whose import alone cost more than the
+whole CLI's start-up budget), and only for the fields asked for: a command validates the
+settings it uses, so one bad unrelated variable cannot stop it.
+"""
 
 from __future__ import annotations
 
 import json
+import os
+import re
+from collections.abc import Iterable, Mapping
 from datetime import timedelta
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
-from pydantic import BeforeValidator, Field, SecretStr, field_validator
-from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
-from yarl import URL
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 
 def _seconds(value: object) -> object:
@@ -31,10 +46,62 @@ def seconds(n: float) -> timedelta:
     return timedelta(seconds=n)
 
 
-class Settings(BaseSettings):
-    """Configuration for every triggerflow process (SDK, consumer, writer, admin commands)."""
+def _lower(value: object) -> object:
+    return value.lower() if isinstance(value, str) else value
 
-    model_config = SettingsConfigDict(env_prefix="TRIGGERFLOW_", extra="ignore")
+
+def _upper(value: object) -> object:
+    return value.upper() if isinstance(value, str) else value
+
+
+# Airflow's own form of the same URL (sql_alchemy_conn), accepted as asyncpg's.
+_POSTGRES_SCHEME = re.compile(r"^postgres(?:ql)?(?:\+[a-z0-9_]+)?://", re.I)
+
+
+def _postgres_url(value: object) -> object:
+    text = value.get_secret_value() if isinstance(value, SecretStr) else value
+    if not isinstance(text, str):
+        return value
+    if not _POSTGRES_SCHEME.match(text):
+        scheme = text.split("://", 1)[0] if "://" in text else "no scheme"
+        raise ValueError(f"not a PostgreSQL URL ({scheme}); give postgresql://user:pass@host/db")
+    return _POSTGRES_SCHEME.sub("postgresql://", text, count=1)
+
+
+LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
+LogFormat = Literal["text", "json"]
+
+
+class Settings(BaseModel):
+    """Configuration for every triggerflow process (SDK, consumer, writer, admin commands).
+
+    ``Settings(**values)`` fills every field not given from its variable (the SDK, tests);
+    ``Settings.without_environment(values)`` reads no variable (the CLI: click reads the
+    variables of the options a command declares).
+    """
+
+    # built on first validation: `--help` only reads the fields
+    model_config = ConfigDict(extra="ignore", defer_build=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _variables_under_values(cls, data: Any, info: ValidationInfo) -> Any:
+        if not isinstance(data, dict) or (info.context or {}).get("environment") is False:
+            return data
+        return {**cls.environment(), **data}
+
+    @classmethod
+    def without_environment(cls, values: Mapping[str, Any]) -> Settings:
+        """``values`` validated; every field not in them keeps its default."""
+        return cls.model_validate(values, context={"environment": False})
+
+    @classmethod
+    def environment(cls, fields: Iterable[str] | None = None,
+                    environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+        """The set ``TRIGGERFLOW_*`` variables of ``fields`` (default: all), by field."""
+        names = cls.model_fields if fields is None else fields
+        return {name: environ[cls.env_name(name)] for name in names
+                if cls.env_name(name) in environ}
 
     # -- connections --------------------------------------------------------------------
     amqp_url: SecretStr = Field(
@@ -48,8 +115,11 @@ class Settings(BaseSettings):
             "team queues with it). Default: the AMQP URL's user, password and host on port 15672."
         ),
     )
-    database_url: SecretStr = Field(
-        SecretStr("postgresql://127.0.0.1:5432/triggerflow"), description="PostgreSQL URL."
+    database_url: Annotated[SecretStr, BeforeValidator(_postgres_url)] = Field(
+        SecretStr("postgresql://127.0.0.1:5432/triggerflow"),
+        description=(
+            "PostgreSQL URL. Airflow's `postgresql+psycopg2://` form is accepted as "
+            "`postgresql://`."),
     )
     heartbeat: int = Field(10, ge=1, description="AMQP heartbeat in seconds (the client's is 60).")
     db_pool_size: int = Field(4, ge=1, description="Max PostgreSQL connections per process.")
@@ -75,7 +145,7 @@ class Settings(BaseSettings):
     )
 
     # -- consumer -----------------------------------------------------------------------
-    queues: Annotated[list[str], NoDecode] = Field(
+    queues: list[str] = Field(
         default_factory=list,
         description=(
             "Team queues to consume / scope. `writer --airflow`: the queues triggerflow serves "
@@ -83,7 +153,7 @@ class Settings(BaseSettings):
         ),
     )
     capacity: int = Field(200_000, ge=1, description="Max triggers one consumer runs at once.")
-    allowed_modules: Annotated[list[str], NoDecode] = Field(
+    allowed_modules: list[str] = Field(
         default_factory=lambda: ["triggerflow.triggers"],
         description="Module prefixes trigger classes may come from (checked before import).",
     )
@@ -165,8 +235,10 @@ class Settings(BaseSettings):
     metrics_port: int = Field(0, ge=0, description="Prometheus endpoint port (0: off).")
     otlp_endpoint: str | None = Field(None, description="OTLP/HTTP endpoint for traces+metrics.")
     trace_file: str | None = Field(None, description="Append finished spans as JSON lines here.")
-    log_level: str = Field("INFO", description="Log level.")
-    log_format: str = Field("text", description="'text' or 'json'.")
+    log_level: Annotated[LogLevel, BeforeValidator(_upper)] = Field(
+        "INFO", description="Log level: DEBUG, INFO, WARNING, ERROR or CRITICAL (any case).")
+    log_format: Annotated[LogFormat, BeforeValidator(_lower)] = Field(
+        "text", description="Log lines as `text` or `json` (any case).")
 
     @field_validator("queues", "allowed_modules", mode="before")
     @classmethod
@@ -176,6 +248,11 @@ class Settings(BaseSettings):
                 return json.loads(value)
             return [part.strip() for part in value.split(",") if part.strip()]
         return value
+
+    @field_validator("team_users", "kwargs_keys", mode="before")
+    @classmethod
+    def _json_object(cls, value: object) -> object:
+        return json.loads(value) if isinstance(value, str) else value
 
     @staticmethod
     def env_name(field: str) -> str:
@@ -189,6 +266,8 @@ class Settings(BaseSettings):
 
     def amqp_dsn(self) -> str:
         """The AMQP URL with ``heartbeat`` added as a query parameter unless it has one."""
+        from yarl import URL
+
         url = URL(self.amqp_url.get_secret_value())
         if "heartbeat" in url.query:
             return str(url)

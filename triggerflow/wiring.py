@@ -58,6 +58,18 @@ def rabbit_transport(settings: Settings, *, name: str) -> RabbitTransport:
     return RabbitTransport(settings.amqp_dsn(), Topology(settings.namespace), name=name)
 
 
+CONSUMER_CONNECTION = "triggerflow-consumer:"
+
+
+def consumer_connection_name(queues: list[str]) -> str:
+    """What a consumer's AMQP connection calls itself: ``status`` matches the broker's
+    subscribers to consumer rows (host, pid) by it."""
+    import os
+    import socket
+
+    return f"{CONSUMER_CONNECTION}{','.join(queues)}@{socket.gethostname()}:{os.getpid()}"
+
+
 async def _connect_store_retrying(settings: Settings, stop: asyncio.Event) -> Store | None:
     """The store once it answers (None: stopped first). Retries while it is unreachable and,
     a bounded number of times, while it refuses our credentials (then StoreAccessRefused);
@@ -106,8 +118,7 @@ async def serve_consumer(settings: Settings, stop: asyncio.Event) -> int:
 async def _consume(settings: Settings, store: Store, stop: asyncio.Event) -> int:
     from triggerflow.consumer import Consumer
 
-    transport = make_transport(
-        settings, name=f"triggerflow-consumer:{','.join(settings.queues)}")
+    transport = make_transport(settings, name=consumer_connection_name(settings.queues))
     if settings.airflow:
         from triggerflow.airflow import serve
 

@@ -8,9 +8,24 @@ import click
 
 from triggerflow.airflow import setup as airflow_setup
 
+
+def _postgres_url(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    """Airflow's ``postgresql+psycopg2://`` form (its sql_alchemy_conn) is taken as is."""
+    from pydantic import ValidationError
+
+    from triggerflow.settings import Settings
+
+    try:
+        return Settings.without_environment({"database_url": value}).database_dsn()
+    except ValidationError as exc:
+        raise click.BadParameter(exc.errors()[0]["msg"]) from None
+
+
 DATABASE_URL = click.option(
     "--database-url", required=True, envvar="TRIGGERFLOW_DATABASE_URL", show_envvar=True,
-    help="Airflow's metadata database (PostgreSQL), e.g. postgresql://airflow@db/airflow.")
+    callback=_postgres_url,
+    help="Airflow's metadata database (PostgreSQL), e.g. postgresql://airflow@db/airflow "
+         "(or Airflow's postgresql+psycopg2:// form).")
 
 
 @click.group("airflow")

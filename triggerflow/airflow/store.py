@@ -46,11 +46,16 @@ from triggerflow.store import (
     TriggerRef,
     TriggerSpec,
 )
-from triggerflow.store.postgres.pool import keep_session, session_settings, store_errors
+from triggerflow.store.postgres.pool import (
+    DATA_ERRORS,
+    keep_session,
+    session_settings,
+    store_errors,
+)
 from triggerflow.wire import Event
 
-# Bad content in an event body (not JSON, wrong JSON type): the batch is refused.
-_REFUSED: tuple[type[BaseException], ...] = (asyncpg.DataError,)
+# Bad content in an event body (not JSON, wrong JSON type, nested too deep): refused.
+_REFUSED = DATA_ERRORS
 _DECODE_INLINE = 64  # claimed rows decoded on the loop; more go to a thread
 
 
@@ -247,7 +252,7 @@ class AirflowStore:
         await self._execute(sql.MARK_PUBLISHED, list(ids))
 
     async def time_out_orphans(self, queues: Sequence[str] | None,
-                               max_deferral: float) -> list[int]:
+                               max_deferral: float) -> list[TriggerRef]:
         return []  # Airflow's scheduler times deferred tasks out (check_trigger_timeouts)
 
     async def _clean_unused_of(self, ids: list[int]) -> None:

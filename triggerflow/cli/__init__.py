@@ -1,7 +1,9 @@
 """The ``triggerflow`` command line.
 
-``options`` derives flags and env vars from the Settings model; ``commands`` holds the group,
-set-up and service commands; ``status``, ``admin`` and ``tools`` add the operator commands.
+``commands`` holds the root group, which imports a command's module when it runs;
+``options`` derives flags and env vars from the Settings model; ``failures`` turns what a
+command raises into one line; ``services``, ``status``, ``admin`` and ``tools`` hold the
+commands.
 """
 
 from triggerflow.cli.commands import main

@@ -7,23 +7,21 @@ import json
 import sys
 import uuid
 from collections import defaultdict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from triggerflow.cli.options import CONNECTION, build_settings, settings_options
-from triggerflow.cli.status import fetch_trigger, json_default
-from triggerflow.model import TaskKey
-from triggerflow.redact import Redactor
-from triggerflow.settings import Settings
-from triggerflow.store.postgres.admin import LIVE_OWNERS, REQUEUE_IDLE, UNQUARANTINE_SAFE
-from triggerflow.wiring import admin_database, rabbit_transport
+
+if TYPE_CHECKING:
+    from triggerflow.settings import Settings
 
 
 async def shell_defer(settings: Settings, queue: str, classpath: str, kwargs: dict[str, Any],
                       count: int, trigger_timeout: float | None, dag_id: str,
                       batch: int) -> list[int]:
     from triggerflow.loader import TriggerLoader
+    from triggerflow.model import TaskKey
     from triggerflow.sdk import Deferral, TriggerflowClient
 
     trigger = TriggerLoader(settings.allowed_modules).resolve(classpath)(**kwargs)
@@ -40,6 +38,8 @@ async def shell_defer(settings: Settings, queue: str, classpath: str, kwargs: di
 
 
 async def _wake(settings: Settings, rows: list[Any], verb: str) -> None:
+    from triggerflow.wiring import rabbit_transport
+
     by_queue: dict[str, list[int]] = defaultdict(list)
     for r in rows:
         if r["queue"] is not None:
@@ -56,6 +56,9 @@ async def _wake(settings: Settings, rows: list[Any], verb: str) -> None:
 async def requeue_triggers(settings: Settings, ids: list[int],
                            force: bool) -> tuple[list[Any], list[Any]]:
     """(re-sent rows, rows left with a live owner)."""
+    from triggerflow.store.postgres.admin import LIVE_OWNERS, REQUEUE_IDLE
+    from triggerflow.wiring import admin_database
+
     db = await admin_database(settings)
     try:
         rows = await db.fetch(REQUEUE_IDLE, ids, force)
@@ -67,6 +70,9 @@ async def requeue_triggers(settings: Settings, ids: list[int],
 
 
 async def unquarantine_triggers(settings: Settings, ids: list[int]) -> list[Any]:
+    from triggerflow.store.postgres.admin import UNQUARANTINE_SAFE
+    from triggerflow.wiring import admin_database
+
     db = await admin_database(settings)
     try:
         rows: list[Any] = await db.fetch(UNQUARANTINE_SAFE, ids)
@@ -90,14 +96,13 @@ def register(main: click.Group) -> None:
     @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
     def trigger_show(trigger_id: int, as_json: bool, **values: Any) -> None:
         """Row, owner, attempts and last error of one trigger (exit 1 when there is none)."""
+
+        from triggerflow.cli.status import fetch_trigger, json_default
+        from triggerflow.redact import Redactor
+
         settings = build_settings(values)
         redact = Redactor(settings)
-
-        try:
-            row = asyncio.run(fetch_trigger(settings, trigger_id))
-        except Exception as exc:
-            click.echo(redact(f"error: {exc}"), err=True)
-            sys.exit(1)
+        row = asyncio.run(fetch_trigger(settings, trigger_id))
         if row is None:
             click.echo(f"no trigger {trigger_id} (finished, cancelled or never created)", err=True)
             sys.exit(1)
@@ -119,14 +124,10 @@ def register(main: click.Group) -> None:
         """Re-send triggers no live consumer runs (unclaimed, refused by every consumer, or
         owned by a dead one) to their queue. Idempotent: a trigger a live consumer has
         claimed is left alone. Quarantined triggers need unquarantine."""
+
         settings = build_settings(values)
         ids = sorted(set(trigger_ids))
-
-        try:
-            rows, held = asyncio.run(requeue_triggers(settings, ids, force))
-        except Exception as exc:
-            click.echo(Redactor(settings)(f"error: {exc}"), err=True)
-            sys.exit(1)
+        rows, held = asyncio.run(requeue_triggers(settings, ids, force))
         click.echo(f"requeued {len(rows)} trigger(s); {len(ids) - len(rows)} needed nothing")
         for r in held:
             click.echo(f"  trigger {r['id']} runs on live consumer {r['owner_id']} "
@@ -138,14 +139,10 @@ def register(main: click.Group) -> None:
     def unquarantine(trigger_ids: tuple[int, ...], **values: Any) -> None:
         """Clear a quarantine: defer again the task it failed and re-send the trigger (or drop
         the trigger when that task has moved on). Idempotent."""
+
         settings = build_settings(values)
         ids = sorted(set(trigger_ids))
-
-        try:
-            rows = asyncio.run(unquarantine_triggers(settings, ids))
-        except Exception as exc:
-            click.echo(Redactor(settings)(f"error: {exc}"), err=True)
-            sys.exit(1)
+        rows = asyncio.run(unquarantine_triggers(settings, ids))
         resent = sum(1 for r in rows if r["resent"])
         dropped = len(rows) - resent
         click.echo(f"unquarantined {resent} trigger(s); dropped {dropped} whose task had moved "

@@ -1,211 +1,151 @@
-"""The ``triggerflow`` command group: set-up, services and the SDK's operations.
+"""The ``triggerflow`` root group: each command's module is imported when that command runs
+(or shows its help), and whatever a command raises ends in one line.
 
-parse -> settings -> build -> run one function -> exit code. Exit codes: 0 ok, 1 failure,
-2 usage error, 3 status needs attention. Operator commands register from ``status``,
-``admin`` and ``tools``.
+Exit codes: 0 ok, 1 failure, 2 usage or configuration error, 3 status needs attention.
 """
 
 from __future__ import annotations
 
-import asyncio
-import json
+import importlib
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 import click
 
-from triggerflow.cli import admin, status, tools
-from triggerflow.cli.options import (
-    CONNECTION,
-    CONSUMER,
-    SDK,
-    TELEMETRY,
-    WRITER,
-    build_settings,
-    fail,
-    run_async,
-    settings_options,
-    stop_on_signals,
-)
-from triggerflow.settings import Settings
+from triggerflow.cli import failures
+
+# command -> (where it is defined, its help's first sentence for ``triggerflow --help``).
+# A "module:register" adds all of that module's commands; "module:name" is one command.
+# tests/test_cli.py checks this table against the commands it loads.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "airflow": ("triggerflow.airflow.cli:airflow_group",
+                "Airflow mode: serve an Airflow 3 metadata database in place of `airflow "
+                "triggerer`."),
+    "bench": ("triggerflow.cli.tools:register",
+              "Benchmark against the real broker and database; prints a table per scenario."),
+    "cancel": ("triggerflow.cli.services:register",
+               "Take tasks out of 'deferred' and cancel their triggers on the owner "
+               "(idempotent)."),
+    "consume": ("triggerflow.cli.services:register",
+                "Run triggers of one or more team queues (repeat --queue)."),
+    "db": ("triggerflow.cli.services:register", "Database schema."),
+    "defer": ("triggerflow.cli.services:register",
+              "Create COUNT task instances and defer them on a trigger (smoke tests, "
+              "operators)."),
+    "demo": ("triggerflow.cli.tools:register",
+             "Set up, start a writer, two team consumers and a resumer, defer a mix, show "
+             "results."),
+    "docs": ("triggerflow.cli.tools:register", "Generated documentation."),
+    "health": ("triggerflow.cli.status:register",
+               "Liveness probe: exit 0 when this host's consumer/writer is alive and renewing "
+               "its lease, 1 otherwise (stalled: lease expired; dead: no process), with a "
+               "one-line reason."),
+    "requeue": ("triggerflow.cli.admin:register",
+                "Re-send triggers no live consumer runs (unclaimed, refused by every consumer, "
+                "or owned by a dead one) to their queue."),
+    "status": ("triggerflow.cli.status:register",
+               "Queues (depth, unacked, consumers, running), processes, overdue and quarantined "
+               "triggers."),
+    "topology": ("triggerflow.cli.services:register", "Broker exchanges and queues."),
+    "trigger": ("triggerflow.cli.admin:register", "Inspect triggers."),
+    "unquarantine": ("triggerflow.cli.admin:register",
+                     "Clear a quarantine: defer again the task it failed and re-send the trigger "
+                     "(or drop the trigger when that task has moved on)."),
+    "writer": ("triggerflow.cli.services:register", "Apply events to task instances in batches."),
+}
 
 
-def _setup_process(settings: Settings, service: str) -> None:
-    from triggerflow import logs, telemetry
+class LazyGroup(click.Group):
+    """A group whose commands are imported on first use, so ``--help`` and a probe do not pay
+    for every command's imports."""
 
-    logs.setup(settings.log_level, settings.log_format)
-    telemetry.setup(service=service, metrics_port=settings.metrics_port,
-                    otlp_endpoint=settings.otlp_endpoint, trace_file=settings.trace_file)
-    if settings.metrics_port or settings.otlp_endpoint:
-        from triggerflow.queue_gauges import start_queue_gauges
+    def __init__(self, *args: Any, lazy: dict[str, tuple[str, str]], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.lazy = lazy
 
-        start_queue_gauges(settings, all_queues=service == "triggerflow-writer")
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*self.commands, *self.lazy})
+
+    def get_command(self, ctx: click.Context | None, cmd_name: str) -> click.Command | None:
+        if cmd_name not in self.commands and cmd_name in self.lazy:
+            self._load(self.lazy[cmd_name][0])
+        return self.commands.get(cmd_name)
+
+    def _load(self, target: str) -> None:
+        module, _, name = target.partition(":")
+        found = getattr(importlib.import_module(module), name)
+        if isinstance(found, click.Command):
+            self.add_command(found)
+        else:
+            found(self)
+        for command_name, command in self.commands.items():
+            give_env_vars(command, [command_name])
+
+    def load_all(self) -> LazyGroup:
+        """Import every command (the docs generator and tests walk the whole tree)."""
+        for name in self.lazy:
+            self.get_command(None, name)
+        return self
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        """The command list from the table, importing nothing."""
+        names = self.list_commands(ctx)
+        limit = formatter.width - 6 - max(len(name) for name in names)
+        rows = []
+        for name in names:
+            command = self.commands.get(name) or click.Command(name, help=self.lazy[name][1])
+            if not command.hidden:
+                rows.append((name, command.get_short_help_str(limit)))
+        with formatter.section("Commands"):
+            formatter.write_dl(rows)
+
+    def main(self, args: Sequence[str] | None = None, prog_name: str | None = None,
+             complete_var: str | None = None, standalone_mode: bool = True,
+             **extra: Any) -> Any:
+        """Click's own handling, except that a bad value and any failure are one line."""
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode, **extra)
+        try:
+            code = super().main(args, prog_name, complete_var, False, **extra)
+        except click.BadParameter as exc:
+            code = _bad_parameter(exc)
+        except click.ClickException as exc:
+            exc.show()
+            code = exc.exit_code
+        except click.Abort:
+            click.echo("Aborted!", err=True)
+            code = 1
+        except Exception as exc:  # the one place a command's failure becomes its exit
+            code = failures.report(exc)
+        sys.exit(code if isinstance(code, int) else 0)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+def give_env_vars(command: click.Command, path: list[str]) -> None:
+    """Every option of ``command`` (and its subcommands) without a variable gets
+    ``TRIGGERFLOW_<COMMAND PATH>_<OPTION>`` (``requeue --force``: TRIGGERFLOW_REQUEUE_FORCE),
+    shown in its --help. Settings options keep their own (``TRIGGERFLOW_<SETTING>``)."""
+    for param in command.params:
+        if not isinstance(param, click.Option) or param.is_eager:
+            continue  # --help, --version
+        if param.envvar is None:
+            flag = next(o for o in param.opts if o.startswith("--"))[2:]
+            param.envvar = "_".join(["TRIGGERFLOW", *path, flag]).replace("-", "_").upper()
+        param.show_envvar = True
+    if isinstance(command, click.Group):
+        for name, sub in command.commands.items():
+            give_env_vars(sub, [*path, name])
+
+
+def _bad_parameter(exc: click.BadParameter) -> int:
+    """A value click refused (its message names the flag, or the variable it came from)."""
+    where = f"{exc.ctx.command_path}: " if exc.ctx else ""
+    click.echo(f"error: {where}{exc.format_message()}", err=True)
+    return exc.exit_code
+
+
+@click.group(cls=LazyGroup, lazy=COMMANDS,
+             context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(package_name="triggerflow")
 def main() -> None:
     """triggerflow: deferrable triggers on RabbitMQ, with PostgreSQL as the durable record."""
-
-
-# -- set-up
-
-
-@main.group()
-def db() -> None:
-    """Database schema."""
-
-
-@db.command("upgrade")
-@settings_options("database_url", "log_level")
-@click.option("--revision", default="head", show_default=True, help="Target revision.")
-def db_upgrade(revision: str, **values: Any) -> None:
-    """Create the database if missing and apply migrations."""
-    from triggerflow.store.postgres import database_name, ensure_database, upgrade_schema
-
-    settings = build_settings(values)
-    dsn = settings.database_dsn()
-    try:
-        created = asyncio.run(ensure_database(dsn))
-        upgrade_schema(dsn, revision)
-    except Exception as exc:
-        fail(f"database upgrade failed: {exc}")
-    click.echo(f"database {database_name(dsn)}: {'created and ' if created else ''}at {revision}")
-
-
-@main.group()
-def topology() -> None:
-    """Broker exchanges and queues."""
-
-
-@topology.command("apply")
-@settings_options("amqp_url", "namespace", "queues", "heartbeat")
-@click.option("--delivery-limit", type=int, default=5, show_default=True,
-              envvar="TRIGGERFLOW_DELIVERY_LIMIT", show_envvar=True,
-              help="Quorum-queue delivery limit before dead-lettering.")
-def topology_apply(delivery_limit: int, **values: Any) -> None:
-    """Declare exchanges, team queues, events queue and dead letters (idempotent)."""
-    from triggerflow.wiring import make_transport
-
-    settings = build_settings(values)
-
-    async def go() -> None:
-        transport = make_transport(settings, name="topology")
-        await transport.connect()
-        try:
-            await transport.declare(settings.queues, delivery_limit=delivery_limit)
-        finally:
-            await transport.close()
-
-    try:
-        asyncio.run(go())
-    except Exception as exc:
-        fail(f"topology apply failed: {exc}")
-    click.echo(f"topology {settings.namespace}: queues {', '.join(settings.queues) or '(none)'}")
-
-
-# -- services
-
-
-@main.command()
-@settings_options(*CONNECTION, *TELEMETRY, *CONSUMER)
-def consume(**values: Any) -> None:
-    """Run triggers of one or more team queues (repeat --queue)."""
-    settings = build_settings(values)
-    if not settings.queues:
-        raise click.UsageError("give at least one --queue (or TRIGGERFLOW_QUEUES)")
-    _setup_process(settings, "triggerflow-consumer")
-
-    async def go() -> int:
-        from triggerflow.wiring import serve_consumer
-
-        return await serve_consumer(settings, stop_on_signals())
-
-    sys.exit(run_async(go()))
-
-
-@main.command()
-@settings_options(*CONNECTION, *TELEMETRY, *WRITER)
-def writer(**values: Any) -> None:
-    """Apply events to task instances in batches."""
-    settings = build_settings(values)
-    if settings.queues and not settings.airflow:
-        # one environment shared by every process (compose, a ConfigMap) sets TRIGGERFLOW_QUEUES
-        # for the writer too: a native writer serves every queue, so it is only named, not fatal
-        click.echo("warning: a native writer serves every queue; --queue/TRIGGERFLOW_QUEUES "
-                   "ignored", err=True)
-    _setup_process(settings, "triggerflow-writer")
-
-    async def go() -> int:
-        from triggerflow.wiring import serve_writer
-
-        return await serve_writer(settings, stop_on_signals())
-
-    sys.exit(run_async(go()))
-
-
-# -- what the SDK does, from the shell
-
-
-@main.command()
-@settings_options(*CONNECTION, *SDK)
-@click.option("--queue", "queue", required=True, envvar="TRIGGERFLOW_DEFER_QUEUE",
-              show_envvar=True, help="Team queue to defer to.")
-@click.option("--trigger", "classpath", required=True, help="Trigger classpath.")
-@click.option("--kwargs", "kwargs_json", default="{}", show_default=True,
-              help="Trigger kwargs as JSON.")
-@click.option("--count", type=click.IntRange(1), default=1, show_default=True,
-              help="Task instances to create and defer.")
-@click.option("--timeout", type=float, default=None, help="Trigger timeout in seconds.")
-@click.option("--dag-id", default="cli", show_default=True, help="dag_id of the created tasks.")
-@click.option("--batch", type=click.IntRange(1), default=1000, show_default=True,
-              help="Deferrals per SDK batch.")
-def defer(queue: str, classpath: str, kwargs_json: str, count: int, timeout: float | None,
-          dag_id: str, batch: int, **values: Any) -> None:
-    """Create COUNT task instances and defer them on a trigger (smoke tests, operators)."""
-    from triggerflow.cli.admin import shell_defer
-
-    settings = build_settings(values)
-    try:
-        kwargs = json.loads(kwargs_json)
-    except json.JSONDecodeError as exc:
-        raise click.BadParameter(f"not JSON: {exc}", param_hint="--kwargs") from None
-    try:
-        ids = asyncio.run(shell_defer(settings, queue, classpath, kwargs, count, timeout,
-                                      dag_id, batch))
-    except Exception as exc:
-        fail(str(exc))
-    click.echo(f"deferred {len(ids)} task(s) on {classpath} to {queue}: trigger ids "
-               f"{ids[0]}..{ids[-1]}")
-
-
-@main.command()
-@settings_options(*CONNECTION)
-@click.argument("trigger_ids", nargs=-1, type=int, required=True)
-@click.option("--state", default="removed", show_default=True,
-              type=click.Choice(["removed", "failed", "success", "skipped", "scheduled"]),
-              help="State the task instance moves to.")
-def cancel(trigger_ids: tuple[int, ...], state: str, **values: Any) -> None:
-    """Take tasks out of 'deferred' and cancel their triggers on the owner (idempotent)."""
-    from triggerflow.sdk import TriggerflowClient
-
-    settings = build_settings(values)
-
-    async def go() -> int:
-        async with TriggerflowClient(settings) as client:
-            return await client.cancel(list(trigger_ids), state=state)
-
-    try:
-        n = asyncio.run(go())
-    except Exception as exc:
-        fail(str(exc))
-    click.echo(f"cancelled {n} task(s); {len(trigger_ids) - n} already not deferred")
-
-
-for _commands in (status, admin, tools):
-    _commands.register(main)
-
-# Airflow mode's set-up commands import nothing from Airflow until they run.
-from triggerflow.airflow.cli import airflow_group  # noqa: E402
-
-main.add_command(airflow_group)

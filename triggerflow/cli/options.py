@@ -1,25 +1,29 @@
 """Settings <-> CLI options <-> environment, derived once from the Settings model.
 
 ``settings_options`` turns fields into click options (flag and env var named by
-``Settings.flag_name``/``Settings.env_name``, type from the annotation); ``build_settings``
-turns what click parsed back into one validated ``Settings``.
+``Settings.flag_name``/``Settings.env_name``); ``build_settings`` turns what click parsed
+back into one ``Settings``, validating only the fields the command declares. Click reads the
+variables but converts nothing: pydantic does, so a bad value is reported in one line naming
+the flag or variable it came from.
 """
 
 from __future__ import annotations
 
-import asyncio
-import json
-import signal
-import sys
+import logging
 import typing
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
-from pydantic import ValidationError
+from click.core import ParameterSource
 
+from triggerflow.cli import failures
+from triggerflow.logs import quiet_client_libraries
 from triggerflow.settings import Settings
+
+if TYPE_CHECKING:
+    import asyncio
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -27,18 +31,30 @@ CONNECTION = ("amqp_url", "database_url", "namespace", "heartbeat", "db_pool_siz
               "log_level", "log_format")
 TELEMETRY = ("metrics_port", "otlp_endpoint", "trace_file")
 CONSUMER = ("queues", "capacity", "allowed_modules", "lease_ttl", "renew_interval",
-            "claim_batch", "prefetch", "reclaim_rate", "probation_seconds",
+            "claim_batch", "prefetch", "reclaim_rate", "reap_batch", "probation_seconds",
             "max_failures", "blocked_threshold", "subscription_check_interval", "event_batch",
             "event_linger", "max_event_bytes", "reaper_interval", "cancel_sweep_interval",
-            "unclaimed_grace", "max_deferral", "kwargs_key", "kwargs_keys", "airflow",
-            "default_queue")
+            "reconcile_after", "unclaimed_grace", "max_deferral", "kwargs_key", "kwargs_keys",
+            "airflow", "default_queue")
+# The writer runs a reaper too (max_failures), and its store carries the kwargs codec.
 WRITER = ("writer_batch", "writer_prefetch", "writer_concurrency", "team_users", "lease_ttl",
-          "renew_interval", "reaper_interval", "unclaimed_grace", "max_deferral", "reclaim_rate",
-          "subscription_check_interval", "airflow", "default_queue", "queues")
+          "renew_interval", "reaper_interval", "reap_batch", "unclaimed_grace", "max_deferral",
+          "reclaim_rate", "max_failures", "subscription_check_interval", "airflow",
+          "default_queue", "queues", "kwargs_key", "kwargs_keys")
 SDK = ("allowed_modules", "max_kwargs_bytes", "max_deferral", "kwargs_key", "kwargs_keys")
 
-# Durations are given in seconds on the command line, as in the environment.
-_CLICK_TYPES: dict[Any, Any] = {int: int, float: float, timedelta: float}
+# Shown in --help; the value itself is converted by pydantic. Durations are seconds.
+_METAVARS: dict[Any, str] = {int: "INTEGER", float: "FLOAT", timedelta: "SECONDS"}
+
+
+class WholeVariable(click.ParamType):  # type: ignore[type-arg]
+    """A repeatable option whose variable is one value (``a,b`` or a JSON list), not split on
+    whitespace as click would."""
+
+    name = "text"
+
+    def split_envvar_value(self, rv: str) -> Sequence[str]:
+        return [rv] if rv else []
 
 
 def _option(name: str) -> Callable[[F], F]:
@@ -47,14 +63,12 @@ def _option(name: str) -> Callable[[F], F]:
     kwargs: dict[str, Any] = {"help": info.description, "envvar": env, "show_envvar": True,
                               "default": None}
     if typing.get_origin(info.annotation) is list:
-        # pydantic-settings reads the env var itself ("a,b" or JSON); click would split it
-        # on whitespace.
-        kwargs.update(multiple=True, default=(), envvar=None, show_envvar=False,
-                      help=f"{info.description} Repeatable.  [env var: {env}]")
+        kwargs.update(multiple=True, default=(), type=WholeVariable(),
+                      help=f"{info.description} Repeatable.")
     elif info.annotation is bool:
         flag = f"{flag}/--no-{flag[2:]}"
-    elif info.annotation in _CLICK_TYPES:
-        kwargs["type"] = _CLICK_TYPES[info.annotation]
+    else:
+        kwargs["metavar"] = _METAVARS.get(info.annotation, "TEXT")
     return click.option(flag, name, **kwargs)
 
 
@@ -69,25 +83,32 @@ def settings_options(*names: str) -> Callable[[F], F]:
     return decorate
 
 
-def build_settings(values: dict[str, Any]) -> Settings:
-    """The Settings that the parsed options (and the environment) give; a usage error if invalid."""
+def _from_environment(ctx: click.Context, name: str) -> bool:
+    return ctx.get_parameter_source(name) is ParameterSource.ENVIRONMENT
+
+
+def build_settings(values: dict[str, Any], every_variable: bool = False) -> Settings:
+    """The Settings of the fields this command declares (its options, flag or variable); every
+    other field keeps its default, so an unrelated variable cannot break the command.
+    ``every_variable``: also read every other variable (commands that start other processes).
+    An invalid value ends the command with one line naming its flag or variable (exit 2)."""
+    ctx = click.get_current_context()
     given: dict[str, Any] = {}
     for key, value in values.items():
         if key not in Settings.model_fields or value is None or value == ():
             continue
-        if isinstance(value, tuple):  # repeatable flags; an env var may hold "a,b" or JSON
-            if len(value) == 1 and str(value[0]).lstrip().startswith("["):
-                value = json.loads(value[0])
-            else:
-                value = [part for item in value
-                         for part in str(item).replace(" ", ",").split(",") if part]
-        elif key in ("team_users", "kwargs_keys") and isinstance(value, str):
-            value = json.loads(value)
+        if isinstance(value, tuple):  # repeated flags; a variable is one "a,b" or JSON value
+            value = list(value) if len(value) > 1 else value[0]
         given[key] = value
     try:
-        return Settings(**given)
-    except ValidationError as exc:
-        raise click.UsageError(str(exc)) from None
+        settings = Settings(**given) if every_variable else Settings.without_environment(given)
+    except ValueError as exc:  # pydantic's ValidationError
+        raise failures.ConfigError(failures.config_problem(
+            exc, lambda field: Settings.env_name(field) if field not in given
+            or _from_environment(ctx, field) else Settings.flag_name(field))) from None
+    failures.current.settings = settings
+    quiet_client_libraries(logging.getLevelName(settings.log_level))
+    return settings
 
 
 def run_async(main: Coroutine[Any, Any, int | None]) -> int:
@@ -97,14 +118,12 @@ def run_async(main: Coroutine[Any, Any, int | None]) -> int:
 
 
 def stop_on_signals() -> asyncio.Event:
+    import asyncio
+    import signal
+
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     return stop
-
-
-def fail(message: str) -> None:
-    click.echo(f"error: {message}", err=True)
-    sys.exit(1)
 

@@ -23,7 +23,8 @@ def register(main: click.Group) -> None:
         """Set up, start a writer, two team consumers and a resumer, defer a mix, show results."""
         from triggerflow.demo import run_demo
 
-        sys.exit(run_demo(build_settings(values), tasks, keep_running))
+        # the demo's processes get these settings: it reads every variable
+        sys.exit(run_demo(build_settings(values, every_variable=True), tasks, keep_running))
 
     @main.command()
     @click.argument("scenarios", nargs=-1)
@@ -33,7 +34,7 @@ def register(main: click.Group) -> None:
         """Benchmark against the real broker and database; prints a table per scenario."""
         from triggerflow.bench import run_bench
 
-        sys.exit(run_bench(build_settings(values), list(scenarios), quick))
+        sys.exit(run_bench(build_settings(values, every_variable=True), list(scenarios), quick))
 
     @main.group()
     def docs() -> None:

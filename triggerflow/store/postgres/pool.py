@@ -33,12 +33,17 @@ DB_DISCONNECTED: tuple[type[BaseException], ...] = (
     asyncpg.InternalClientError,
 )
 
+# What an event's content alone makes PostgreSQL reject: invalid data (SQLSTATE class 22), a
+# payload nested past the server's limits (class 54: "stack depth limit exceeded" parsing a
+# deep jsonb). Such an event is refused and dead-lettered; retried, it would stop every writer.
+DATA_ERRORS: tuple[type[BaseException], ...] = (asyncpg.DataError, asyncpg.ProgramLimitExceededError)
+
 # The server refused who we are (password, role, database name): no retry fixes that.
 ACCESS_REFUSED: tuple[type[BaseException], ...] = (
     asyncpg.InvalidAuthorizationSpecificationError,  # unknown role, pg_hba refusal, password
     asyncpg.InvalidCatalogNameError,  # no such database
 )
-REFUSED_CONTENT = (asyncpg.DataError, asyncpg.IntegrityConstraintViolationError)
+REFUSED_CONTENT = (*DATA_ERRORS, asyncpg.IntegrityConstraintViolationError)
 
 
 @contextlib.asynccontextmanager
