@@ -108,7 +108,7 @@ class Lease:
                  extra={"consumer_id": self.me})
         return self.me
 
-    async def renew(self, running: int, *, subscribed: bool) -> Renewal:
+    async def renew(self, running: int, *, subscribed: bool = True) -> Renewal:
         """Extend the lease before the deadline; raises LeaseLost when that is impossible
         (expired in the store, overdue, or the store answered too late) and StoreError when
         the store failed this once (the next renewal may still make it). ``subscribed``:
