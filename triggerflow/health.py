@@ -21,8 +21,6 @@ from collections.abc import Callable
 from http.server import ThreadingHTTPServer
 from typing import Any
 
-from prometheus_client.exposition import MetricsHandler
-
 LIVEZ = "/livez"
 READYZ = "/readyz"
 LOOP_STALL = 5.0  # seconds without a tick before the loop counts as unresponsive
@@ -95,32 +93,34 @@ def get_health() -> Health:
     return _health
 
 
-class _Handler(MetricsHandler):
-    """``/livez`` and ``/readyz`` from :func:`get_health`; every other path is ``/metrics``."""
-
-    timeout = 10  # a client that stalls mid-request frees its thread
-
-    def do_GET(self) -> None:
-        path = self.path.split("?", 1)[0]
-        if path == LIVEZ:
-            self._answer(*_health.live())
-        elif path == READYZ:
-            self._answer(*_health.ready())
-        else:
-            super().do_GET()
-
-    def _answer(self, ok: bool, report: dict[str, Any]) -> None:
-        body = json.dumps({"status": "ok" if ok else "failing", "checks": report}).encode()
-        self.send_response(200 if ok else 503)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-
 def serve(port: int, host: str = "0.0.0.0") -> ThreadingHTTPServer:
     """Serve the three paths on ``port`` from a daemon thread; raises OSError if taken."""
-    server = ThreadingHTTPServer((host, port), _Handler)
+    # Imported here: ``triggerflow health`` reads this module's paths and must start fast.
+    from prometheus_client.exposition import MetricsHandler
+
+    class Handler(MetricsHandler):
+        """``/livez`` and ``/readyz`` from :func:`get_health`; any other path is ``/metrics``."""
+
+        timeout = 10  # a client that stalls mid-request frees its thread
+
+        def do_GET(self) -> None:
+            path = self.path.split("?", 1)[0]
+            if path == LIVEZ:
+                self._answer(*_health.live())
+            elif path == READYZ:
+                self._answer(*_health.ready())
+            else:
+                super().do_GET()
+
+        def _answer(self, ok: bool, report: dict[str, Any]) -> None:
+            body = json.dumps({"status": "ok" if ok else "failing", "checks": report}).encode()
+            self.send_response(200 if ok else 503)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    server = ThreadingHTTPServer((host, port), Handler)
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, name="health-http", daemon=True).start()
     return server
