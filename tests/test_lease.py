@@ -22,7 +22,7 @@ class SlowStore:
         await asyncio.sleep(self.delay)
         return 7
 
-    async def renew(self, *args: Any) -> Renewal | None:
+    async def renew(self, *args: Any, **kwargs: Any) -> Renewal | None:
         await asyncio.sleep(self.delay)
         return None if self.expired else Renewal(0, 0, 0)
 

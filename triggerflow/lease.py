@@ -11,12 +11,14 @@ import asyncio
 import logging
 import os
 import socket
+import time
 from collections.abc import Sequence
 
-from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_exponential_jitter
+from tenacity import wait_exponential_jitter
 
 from triggerflow import __version__
-from triggerflow.store import ProcessKind, Renewal, Store, StoreError
+from triggerflow.refusals import Refusals
+from triggerflow.store import ProcessKind, Renewal, Store, StoreAccessRefused, StoreError
 
 log = logging.getLogger(__name__)
 
@@ -25,13 +27,12 @@ class LeaseLost(Exception):
     """Our row expired: every trigger we hold may already run elsewhere."""
 
 
-def _log_retry(state: RetryCallState) -> None:
-    exc = state.outcome.exception() if state.outcome else None
-    log.warning("cannot register (%r); retrying", exc)
-
-
 class Lease:
-    """The row of one consumer or writer. ``ttl`` seconds unrenewed and it is dead."""
+    """The row of one consumer or writer. ``ttl`` seconds unrenewed and it is dead.
+
+    Also what readiness reads of it (:meth:`problem`, :meth:`database_problem`): when it was
+    last renewed and how the last round-trip to the store went, on the monotonic clock.
+    """
 
     def __init__(self, store: Store, kind: ProcessKind, *, queues: Sequence[str] = (),
                  capacity: int = 0, ttl: float, renew_interval: float) -> None:
@@ -44,6 +45,37 @@ class Lease:
         self.host = socket.gethostname()
         self.me = 0
         self.deadline = 0.0  # loop time by which the next renewal must succeed
+        self.renewed_at: float | None = None  # monotonic; None: not registered (or fenced)
+        self.store_ok_at: float | None = None  # monotonic time of the last store round-trip
+        self.store_error: str | None = None  # why the last round-trip failed, if it did
+        self.refusals = Refusals("the database", StoreAccessRefused, log)
+
+    def _stored(self, error: BaseException | None) -> None:
+        """Record a round-trip to the store (None: it went through)."""
+        if error is None:
+            self.store_ok_at, self.store_error = time.monotonic(), None
+        else:
+            self.store_error = f"{type(error).__name__}: {error}"
+
+    def problem(self) -> str | None:
+        """Why the lease does not hold, or None."""
+        if self.renewed_at is None:
+            return "not registered" + (f" ({self.store_error})" if self.store_error else "")
+        age = time.monotonic() - self.renewed_at
+        if age > self.ttl:
+            return f"not renewed for {age:.1f}s (lease TTL {self.ttl:g}s)"
+        return None
+
+    def database_problem(self) -> str | None:
+        """Why the store is not answering, or None (fed by the lease's own round-trips)."""
+        if self.store_error is not None:
+            return self.store_error
+        if self.store_ok_at is None:
+            return "no round-trip yet"
+        age = time.monotonic() - self.store_ok_at
+        if age > self.ttl:
+            return f"no round-trip for {age:.1f}s"
+        return None
 
     @property
     def budget(self) -> float:
@@ -54,26 +86,33 @@ class Lease:
         return asyncio.get_running_loop().time() <= self.deadline
 
     async def register(self) -> int:
-        """Register (retrying while the store is down); returns the new id."""
-        async for attempt in AsyncRetrying(
-            retry=retry_if_exception_type(StoreError),
-            wait=wait_exponential_jitter(multiplier=0.5, max=5, jitter=0.5),
-            before_sleep=_log_retry,
-        ):
+        """Register (retrying while the store is down); returns the new id. Raises
+        StoreAccessRefused once the store refused our credentials ``ACCESS_ATTEMPTS`` times in
+        a row: a wrong password does not heal by waiting."""
+        async for attempt in self.refusals.retrying(
+                StoreError, wait_exponential_jitter(multiplier=0.5, max=5, jitter=0.5)):
             with attempt:
                 sent = asyncio.get_running_loop().time()
-                self.me = await self.store.register(
-                    self.kind, self.host, os.getpid(), self.queues, self.capacity, __version__,
-                    self.ttl)
+                try:
+                    self.me = await self.store.register(
+                        self.kind, self.host, os.getpid(), self.queues, self.capacity,
+                        __version__, self.ttl)
+                except StoreError as exc:
+                    self._stored(exc)
+                    raise
+        self._stored(None)
+        self.refusals.reset()
+        self.renewed_at = time.monotonic()
         self.deadline = sent + self.budget
         log.info("registered as %s %s for %s", self.kind, self.me, ",".join(self.queues) or "all",
                  extra={"consumer_id": self.me})
         return self.me
 
-    async def renew(self, running: int) -> Renewal:
+    async def renew(self, running: int, *, subscribed: bool = True) -> Renewal:
         """Extend the lease before the deadline; raises LeaseLost when that is impossible
         (expired in the store, overdue, or the store answered too late) and StoreError when
-        the store failed this once (the next renewal may still make it)."""
+        the store failed this once (the next renewal may still make it). ``subscribed``:
+        whether we are subscribed on the broker (only then are we counted as capacity)."""
         loop = asyncio.get_running_loop()
         # The row's new expiry is the database's now() + ttl, and that now() is no earlier
         # than this moment: counting the budget from here, not from the answer, keeps a slow
@@ -81,18 +120,43 @@ class Lease:
         sent = loop.time()
         remaining = self.deadline - sent
         if remaining <= 0:
+            self.renewed_at = None
             raise LeaseLost("renewal overdue (loop stalled or database unreachable)")
         try:
             # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancellation that
             # arrives as the inner call completes, and the loop then never stops.
             async with asyncio.timeout(remaining):
-                result = await self.store.renew(self.me, self.ttl, running, self.queues)
+                result = await self.store.renew(self.me, self.ttl, running, self.queues,
+                                                subscribed=subscribed)
         except TimeoutError:
+            self._stored(TimeoutError("renewal timed out"))
+            self.renewed_at = None
             raise LeaseLost("renewal timed out") from None
+        except StoreError as exc:
+            self._stored(exc)
+            raise
+        self._stored(None)
         if result is None:
+            self.renewed_at = None
             raise LeaseLost("lease had expired in the database")
+        self.renewed_at = time.monotonic()
         self.deadline = sent + self.budget
         return result
+
+    async def keep(self, *, subscribed: bool) -> None:
+        """Renew a lease that fences nothing (a writer holds no triggers): no deadline, and
+        registered anew when it had expired."""
+        try:
+            renewed = await self.store.renew(self.me, self.ttl, 0, self.queues,
+                                             subscribed=subscribed)
+        except StoreError as exc:
+            self._stored(exc)
+            raise
+        self._stored(None)
+        if renewed is None:
+            self.renewed_at = None
+            await self.register()
+        self.renewed_at = time.monotonic()
 
     async def leave(self) -> None:
         await self.store.unregister(self.me)

@@ -73,6 +73,8 @@ class QueueGauges:
         self._listing_failed = False
         self._polls = 0
         self._stop = threading.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wake: asyncio.Event | None = None  # set from stop(), on the thread's own loop
         self._thread = threading.Thread(target=self._run, name="queue-gauges", daemon=True)
         m = telemetry.get_metrics()
         for name, description, field in (
@@ -102,6 +104,10 @@ class QueueGauges:
 
     def stop(self, timeout: float = 2.0) -> None:
         self._stop.set()
+        loop, wake = self._loop, self._wake
+        if loop is not None and wake is not None:
+            with contextlib.suppress(RuntimeError):  # that loop has already closed
+                loop.call_soon_threadsafe(wake.set)
         if self._thread.is_alive():
             self._thread.join(timeout)
 
@@ -125,6 +131,7 @@ class QueueGauges:
         db: Database | None = None
         broker: RabbitTransport | None = None
         failing = False
+        self._loop, self._wake = asyncio.get_running_loop(), asyncio.Event()
         while not self._stop.is_set():
             try:
                 if db is None:
@@ -146,7 +153,11 @@ class QueueGauges:
                     with contextlib.suppress(Exception):
                         await db.close()
                     db = None
-            await asyncio.to_thread(self._stop.wait, self.interval)
+            # Not to_thread(self._stop.wait): at exit the default executor is shut down
+            # before atexit runs stop(), and the submit raised in this thread.
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.interval):
+                    await self._wake.wait()
         for closer in (broker.close() if broker else None, db.close() if db else None):
             if closer is not None:
                 with contextlib.suppress(Exception):

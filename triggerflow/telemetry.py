@@ -1,10 +1,11 @@
 """Every metric, span and log-context name, defined once.
 
-Metrics are OpenTelemetry instruments, exposed on a Prometheus endpoint (``metrics_port``)
-and optionally over OTLP. Names follow Airflow's triggerer where the meaning is the same
-(``triggers.running``, ``triggers.blocked_main_thread``, ``capacity_left``...) under a
-``triggerflow.`` prefix. Traces carry W3C ``traceparent`` through AMQP headers and the
-trigger row; a waiting trigger holds only that string, never an open span.
+Metrics are OpenTelemetry instruments, exposed on a Prometheus endpoint (``metrics_port``,
+served by :mod:`triggerflow.health` beside ``/livez`` and ``/readyz``) and optionally over
+OTLP. Names follow Airflow's triggerer where the meaning is the same (``triggers.running``,
+``triggers.blocked_main_thread``, ``capacity_left``...) under a ``triggerflow.`` prefix.
+Traces carry W3C ``traceparent`` through AMQP headers and the trigger row; a waiting trigger
+holds only that string, never an open span.
 
 Order does not matter: ``meter`` and ``tracer`` are the API's proxies, so instruments made
 before ``setup()`` (a module that calls ``get_metrics()`` at import) are bound to the real
@@ -214,10 +215,10 @@ def setup(
     if readers:
         metrics.set_meter_provider(MeterProvider(resource=resource, metric_readers=readers))
     if metrics_port:
-        from prometheus_client import start_http_server
+        from triggerflow import health
 
-        try:
-            start_http_server(metrics_port)
+        try:  # /metrics beside the probes' /livez and /readyz
+            health.serve(metrics_port)
         except OSError as exc:
             raise RuntimeError(f"cannot serve metrics on port {metrics_port}: {exc}") from exc
     if trace_file or otlp_endpoint:

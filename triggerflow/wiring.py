@@ -8,16 +8,25 @@ Everything else takes a :class:`~triggerflow.store.Store` and a
 from __future__ import annotations
 
 import asyncio
+import logging
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
+from tenacity import wait_exponential_jitter
+
 from triggerflow.codec import KwargsCodec
+from triggerflow.health import get_health
+from triggerflow.lifecycle import report_refused
+from triggerflow.refusals import Refusals
 from triggerflow.settings import Settings
-from triggerflow.store import Store
+from triggerflow.store import Store, StoreAccessRefused, StoreError
 from triggerflow.transport import Transport
 
 if TYPE_CHECKING:
     from triggerflow.store.postgres import Database
     from triggerflow.transport.rabbitmq import RabbitTransport
+
+log = logging.getLogger(__name__)
 
 
 def kwargs_codec(settings: Settings) -> KwargsCodec:
@@ -65,36 +74,76 @@ def consumer_connection_name(queues: list[str]) -> str:
     return f"{CONSUMER_CONNECTION}{','.join(queues)}@{socket.gethostname()}:{os.getpid()}"
 
 
-async def serve_consumer(settings: Settings, stop: asyncio.Event) -> int:
-    """Run a consumer on the real store and transport until ``stop``; its exit code."""
-    from triggerflow.consumer import Consumer
+async def _connect_store_retrying(settings: Settings, stop: asyncio.Event) -> Store | None:
+    """The store once it answers (None: stopped first). Retries while it is unreachable and,
+    a bounded number of times, while it refuses our credentials (then StoreAccessRefused);
+    readiness names the database meanwhile."""
+    refusals = Refusals("the database", StoreAccessRefused, log)
+    get_health().check("database", lambda: f"connecting ({refusals.last_error or 'starting'})")
 
-    store = await connect_store(settings)
-    transport = make_transport(settings, name=consumer_connection_name(settings.queues))
+    async def connect() -> Store:
+        async for attempt in refusals.retrying(
+                StoreError, wait_exponential_jitter(multiplier=0.5, max=5, jitter=0.5)):
+            with attempt:
+                return await connect_store(settings)
+        raise AssertionError("unreachable: the retrying re-raises its last error")
+
+    connecting = asyncio.ensure_future(connect())
+    stopping = asyncio.ensure_future(stop.wait())
+    await asyncio.wait([connecting, stopping], return_when=asyncio.FIRST_COMPLETED)
+    stopping.cancel()
+    if not connecting.done():
+        connecting.cancel()
+        return None
+    return connecting.result()
+
+
+async def _serve(settings: Settings, stop: asyncio.Event,
+                 serve: Callable[[Store], Awaitable[int]]) -> int:
+    """``serve`` on the store once connected; 1 with one line when the store refused us."""
     try:
-        if settings.airflow:
-            from triggerflow.airflow import serve
-
-            return await serve.serve_consumer(settings, store, transport, stop)
-        return await Consumer(settings, store, transport).run(stop)
+        store = await _connect_store_retrying(settings, stop)
+    except StoreAccessRefused as exc:
+        report_refused(exc)
+        return 1
+    if store is None:
+        return 0
+    try:
+        return await serve(store)
     finally:
         await store.close()
+
+
+async def serve_consumer(settings: Settings, stop: asyncio.Event) -> int:
+    """Run a consumer on the real store and transport until ``stop``; its exit code."""
+    return await _serve(settings, stop, lambda store: _consume(settings, store, stop))
+
+
+async def _consume(settings: Settings, store: Store, stop: asyncio.Event) -> int:
+    from triggerflow.consumer import Consumer
+
+    transport = make_transport(settings, name=consumer_connection_name(settings.queues))
+    if settings.airflow:
+        from triggerflow.airflow import serve
+
+        return await serve.serve_consumer(settings, store, transport, stop)
+    return await Consumer(settings, store, transport).run(stop)
 
 
 async def serve_writer(settings: Settings, stop: asyncio.Event) -> int:
     """Run a writer on the real store and transport until ``stop``; its exit code."""
+    return await _serve(settings, stop, lambda store: _write(settings, store, stop))
+
+
+async def _write(settings: Settings, store: Store, stop: asyncio.Event) -> int:
     from triggerflow.writer import Writer
 
-    store = await connect_store(settings)
     transport = make_transport(settings, name="triggerflow-writer")
-    try:
-        if settings.airflow:
-            from triggerflow.airflow import serve
+    if settings.airflow:
+        from triggerflow.airflow import serve
 
-            return await serve.serve_writer(settings, store, transport, stop)
-        return await Writer(settings, store, transport).run(stop)
-    finally:
-        await store.close()
+        return await serve.serve_writer(settings, store, transport, stop)
+    return await Writer(settings, store, transport).run(stop)
 
 
 async def admin_database(settings: Settings) -> Database:

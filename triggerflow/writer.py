@@ -19,12 +19,21 @@ from dataclasses import dataclass, field
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_exponential_jitter
 
 from triggerflow import telemetry
+from triggerflow.health import get_health
 from triggerflow.lease import Lease
+from triggerflow.lifecycle import report_refused, report_stopped
 from triggerflow.model import EventKind, FailureReason
 from triggerflow.reaper import Reaper
 from triggerflow.runner import failure
 from triggerflow.settings import Settings
-from triggerflow.store import Applied, EventRefused, ProcessKind, Store, StoreError
+from triggerflow.store import (
+    Applied,
+    EventRefused,
+    ProcessKind,
+    Store,
+    StoreAccessRefused,
+    StoreError,
+)
 from triggerflow.telemetry import context_from, get_metrics, tracer, tracing_enabled
 from triggerflow.transport import Delivery, Transport, TransportUnavailable
 from triggerflow.transport.subscriptions import Subscriptions
@@ -81,7 +90,17 @@ class Writer:
 
     async def run(self, stop: asyncio.Event) -> int:
         """Apply events until ``stop`` is set (0) or a lifecycle task crashed (1)."""
-        await self.lease.register()
+        health = get_health()
+        health.watch_loop()
+        health.check("lease", self.lease.problem)
+        health.check("database", self.lease.database_problem)
+        health.check("broker", self.subscriptions.problem)
+        try:
+            await self.lease.register()
+        except StoreAccessRefused as exc:
+            report_refused(exc)  # one line, no traceback
+            await self.transport.close()
+            return 1
         loop = asyncio.get_running_loop()
         self.subscriptions.add_events(self._receive)
         tasks = [
@@ -92,10 +111,7 @@ class Writer:
         ]
         stopper = loop.create_task(stop.wait(), name="stop")
         done, _ = await asyncio.wait([stopper, *tasks], return_when=asyncio.FIRST_COMPLETED)
-        crashed = [t for t in done if t is not stopper]
-        for task in crashed:
-            log.error("task %s stopped unexpectedly; shutting down", task.get_name(),
-                      exc_info=task.exception())
+        crashed = report_stopped(t for t in done if t is not stopper)
         stopper.cancel()
         log.info("stopping writer")
         # Let the batch in hand commit; unacked deliveries return to the queue on close.
@@ -125,9 +141,7 @@ class Writer:
         while True:
             await asyncio.sleep(self.lease.renew_interval)
             try:
-                renewed = await self.store.renew(self.lease.me, self.lease.ttl, 0, [])
-                if renewed is None:
-                    await self.lease.register()
+                await self.lease.keep(subscribed=self.subscriptions.connected.is_set())
                 if loop.time() >= next_reap and self.transport.is_open:
                     next_reap = loop.time() + self.settings.reaper_interval.total_seconds()
                     # Dead consumers are reaped by their live peers, which claim the freed
@@ -135,8 +149,8 @@ class Writer:
                     # consumer's prefetch. The writer keeps the all-queue sweeps.
                     await self.reaper.time_out_orphans()
                     await self.reaper.report_unconsumed()
-            except asyncio.CancelledError:
-                raise
+            except (asyncio.CancelledError, StoreAccessRefused):
+                raise  # refused: report_stopped exits with one line
             except Exception as exc:
                 log.warning("writer heartbeat/reaper failed: %r", exc)
 

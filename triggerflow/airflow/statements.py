@@ -12,14 +12,15 @@ from __future__ import annotations
 from triggerflow.airflow.schema import SCHEMA
 
 REGISTER = f"""
-INSERT INTO {SCHEMA}.consumer (kind, host, pid, queues, capacity, version, expires_at)
-VALUES ($1, $2, $3, $4::text[], $5, $6, now() + make_interval(secs => $7))
+INSERT INTO {SCHEMA}.consumer (kind, host, pid, queues, capacity, version, expires_at,
+                      subscribed)
+VALUES ($1, $2, $3, $4::text[], $5, $6, now() + make_interval(secs => $7), false)
 RETURNING id
 """
 
 RENEW = f"""
 UPDATE {SCHEMA}.consumer SET renewed_at = now(),
-       expires_at = now() + make_interval(secs => $2), running = $3
+       expires_at = now() + make_interval(secs => $2), running = $3, subscribed = $5
 WHERE id = $1 AND expires_at > now()
 RETURNING
     (SELECT count(*) FROM {SCHEMA}.consumer c
@@ -27,12 +28,14 @@ RETURNING
         AS dead_peers,
     (SELECT count(*) FROM {SCHEMA}.consumer c
      WHERE c.kind = 'consumer' AND c.expires_at > now()
+       AND CASE WHEN c.id = $1 THEN $5 ELSE c.subscribed END  -- as native mode's RENEW
        AND c.queues @> $4::text[] AND c.queues <@ $4::text[]) AS live_peers,
     -- my own row as this renewal writes it: subqueries of RETURNING see it as it was
     -- (0 right after a claim of thousands made me shed them all to a peer with none)
     (SELECT coalesce(sum(CASE WHEN c.id = $1 THEN $3 ELSE c.running END), 0)
      FROM {SCHEMA}.consumer c
      WHERE c.kind = 'consumer' AND c.expires_at > now()
+       AND CASE WHEN c.id = $1 THEN $5 ELSE c.subscribed END
        AND c.queues @> $4::text[] AND c.queues <@ $4::text[]) AS peers_running
 """
 
@@ -282,7 +285,8 @@ WHERE coalesce(t.queue, $2) IS NOT NULL AND s.owner_id IS NULL AND s.quarantined
 QUEUE_CONSUMERS = f"""
 SELECT q, count(c.id) AS consumers
 FROM unnest($1::text[]) AS q
-LEFT JOIN {SCHEMA}.consumer c ON c.kind = 'consumer' AND c.expires_at > now() AND q = ANY(c.queues)
+LEFT JOIN {SCHEMA}.consumer c ON c.kind = 'consumer' AND c.expires_at > now() AND c.subscribed
+    AND q = ANY(c.queues)
 GROUP BY q
 """
 

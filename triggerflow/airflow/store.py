@@ -20,7 +20,7 @@ import asyncio
 import contextlib
 import sys
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import asyncpg
@@ -33,7 +33,6 @@ from triggerflow.store import (
     Applied,
     Cancelled,
     ClaimResult,
-    EventRefused,
     FreedTrigger,
     KwargsError,
     KwargsProblem,
@@ -47,7 +46,12 @@ from triggerflow.store import (
     TriggerRef,
     TriggerSpec,
 )
-from triggerflow.store.postgres.pool import DATA_ERRORS, DB_DISCONNECTED, keep_session, session_settings
+from triggerflow.store.postgres.pool import (
+    DATA_ERRORS,
+    keep_session,
+    session_settings,
+    store_errors,
+)
 from triggerflow.wire import Event
 
 # Bad content in an event body (not JSON, wrong JSON type, nested too deep): refused.
@@ -79,9 +83,10 @@ class AirflowStore:
                       max_size: int = 4) -> AirflowStore:
         # keep_session: without it asyncpg's reset query is four more statements after
         # every call (measured: 5 statements/s per idle process instead of 1).
-        pool = await asyncpg.create_pool(
-            dsn, min_size=1, max_size=max_size, reset=keep_session,
-            server_settings=session_settings("triggerflow-airflow"))
+        async with store_errors(_REFUSED):
+            pool = await asyncpg.create_pool(
+                dsn, min_size=1, max_size=max_size, reset=keep_session,
+                server_settings=session_settings("triggerflow-airflow"))
         return cls(pool, dsn, default_queue)
 
     async def close(self) -> None:
@@ -91,16 +96,8 @@ class AirflowStore:
 
     # -- plumbing ------------------------------------------------------------------------
 
-    @contextlib.asynccontextmanager
-    async def _errors(self) -> AsyncIterator[None]:
-        try:
-            yield
-        except DB_DISCONNECTED as exc:
-            raise StoreUnavailable(repr(exc)) from exc
-        except _REFUSED as exc:
-            raise EventRefused(str(exc)) from exc
-        except asyncpg.PostgresError as exc:
-            raise StoreError(repr(exc)) from exc
+    def _errors(self) -> contextlib.AbstractAsyncContextManager[None]:
+        return store_errors(_REFUSED)
 
     async def _fetch(self, query: str, *args: Any) -> list[asyncpg.Record]:
         async with self._errors(), self.pool.acquire() as conn:
@@ -136,9 +133,9 @@ class AirflowStore:
                                  version, ttl)
         return int(rows[0]["id"])
 
-    async def renew(self, me: int, ttl: float, running: int,
-                    queues: Sequence[str]) -> Renewal | None:
-        rows = await self._fetch(sql.RENEW, me, ttl, running, list(queues))
+    async def renew(self, me: int, ttl: float, running: int, queues: Sequence[str], *,
+                    subscribed: bool = True) -> Renewal | None:
+        rows = await self._fetch(sql.RENEW, me, ttl, running, list(queues), subscribed)
         if not rows:
             return None
         row = rows[0]

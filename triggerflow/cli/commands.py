@@ -38,9 +38,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
              "results."),
     "docs": ("triggerflow.cli.tools:register", "Generated documentation."),
     "health": ("triggerflow.cli.status:register",
-               "Liveness probe: exit 0 when this host's consumer/writer is alive and renewing "
-               "its lease, 1 otherwise (stalled: lease expired; dead: no process), with a "
-               "one-line reason."),
+               "Probe this host's consumer or writer; exit 0 when it works, 1 otherwise, with "
+               "a one-line reason."),
     "requeue": ("triggerflow.cli.admin:register",
                 "Re-send triggers no live consumer runs (unclaimed, refused by every consumer, "
                 "or owned by a dead one) to their queue."),

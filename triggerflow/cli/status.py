@@ -123,6 +123,32 @@ async def check_health(settings: Settings, host: str, kind: str,
     return False, f"dead: no live {what} on {host}"
 
 
+def probe_endpoint(port: int, live: bool, timeout: float = 5.0) -> tuple[bool, str]:
+    """(working, one-line reason) from this host's own ``/readyz`` (or ``/livez``): one HTTP
+    request to the process, no database connection."""
+    import urllib.error
+    import urllib.request
+
+    from triggerflow.health import LIVEZ, READYZ
+
+    url = f"http://127.0.0.1:{port}{LIVEZ if live else READYZ}"
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            status, body = response.status, response.read()
+    except urllib.error.HTTPError as exc:  # 503 carries the report too
+        status, body = exc.code, exc.read()
+    except OSError as exc:
+        return False, f"dead: nothing answers on {url} ({getattr(exc, 'reason', exc)})"
+    try:
+        checks: dict[str, str] = json.loads(body)["checks"]
+    except (ValueError, KeyError, TypeError):
+        return False, f"unhealthy: {url} answered {status} without a report"
+    if status == 200:
+        return True, f"ok: {', '.join(f'{name} ok' for name in checks)}"
+    failing = "; ".join(f"{name}: {why}" for name, why in checks.items() if why != "ok")
+    return False, f"{'not live' if live else 'not ready'}: {failing or f'status {status}'}"
+
+
 async def fetch_trigger(settings: Settings, trigger_id: int) -> dict[str, Any] | None:
     from triggerflow.store.postgres.admin import SHOW_TRIGGER
     from triggerflow.wiring import admin_database
@@ -181,16 +207,28 @@ def register(main: click.Group) -> None:
         sys.exit(EXIT_ATTENTION if report["problems"] else 0)
 
     @main.command()
-    @settings_options(*connection)
+    @settings_options(*connection, "metrics_port")
     @click.option("--kind", type=click.Choice(["any", "consumer", "writer"]), default="any",
-                  show_default=True, help="Which process must be alive on this host.")
-    @click.option("--pid", type=int, default=None, help="Only the process with this pid.")
-    def health(kind: str, pid: int | None, **values: Any) -> None:
-        """Liveness probe: exit 0 when this host's consumer/writer is alive and renewing its
-        lease, 1 otherwise (stalled: lease expired; dead: no process), with a one-line reason."""
+                  show_default=True, help="Database check: which process must be alive here.")
+    @click.option("--pid", type=int, default=None,
+                  help="Database check: only the process with this pid.")
+    @click.option("--live", is_flag=True,
+                  help="Endpoint check: ask /livez (the event loop responds) instead of /readyz.")
+    def health(kind: str, pid: int | None, live: bool, **values: Any) -> None:
+        """Probe this host's consumer or writer; exit 0 when it works, 1 otherwise, with a
+        one-line reason.
+
+        With a metrics port (--metrics-port, TRIGGERFLOW_METRICS_PORT) it asks the process's
+        own endpoint, /readyz (lease, broker subscriptions, database, event loop) or /livez
+        with --live: no database connection. Without one it reads the lease rows in the
+        database (stalled: lease expired; dead: no process)."""
         from triggerflow.redact import Redactor
 
         settings = build_settings(values)
+        if settings.metrics_port:
+            ok, line = probe_endpoint(settings.metrics_port, live)
+            click.echo(line)
+            sys.exit(0 if ok else 1)
         try:
             ok, line = asyncio.run(asyncio.wait_for(
                 check_health(settings, socket.gethostname(), kind, pid), timeout=10))

@@ -46,8 +46,9 @@ async def collect_status(settings: Settings) -> dict[str, Any]:
     report_queues = []
     problems: list[str] = []
     for name in sorted(names):
-        live = [c for c in consumers if c["alive"] and c["kind"] == "consumer"
-                and name in c["queues"]]
+        # counted once subscribed on the broker (a refused one holds a lease, no queue)
+        live = [c for c in consumers if c["alive"] and c["subscribed"]
+                and c["kind"] == "consumer" and name in c["queues"]]
         row = queues.get(name, {})
         info = broker_info.get(name)
         entry = {

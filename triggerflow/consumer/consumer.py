@@ -24,6 +24,7 @@ from triggerflow.consumer.rebalance import excess
 from triggerflow.consumer.reconcile import Reconciler
 from triggerflow.emitter import EventSink
 from triggerflow.lease import Lease, LeaseLost
+from triggerflow.lifecycle import report_stopped
 from triggerflow.loader import BadKwargs, Disallowed, Loader, TriggerLoader, Unloadable
 from triggerflow.model import EventKind, FailureReason
 from triggerflow.reaper import Reaper
@@ -106,15 +107,16 @@ class Consumer:
 
     async def run(self, stop: asyncio.Event) -> int:
         """Serve until ``stop`` is set (0) or a lifecycle task crashed (1), then stop cleanly."""
+        self.observer.start()  # readiness and the loop's watchdog, while registering too
         registering = asyncio.ensure_future(self.lease.register())
         await asyncio.wait([registering, asyncio.ensure_future(stop.wait())],
                            return_when=asyncio.FIRST_COMPLETED)
-        if not registering.done():  # stopped before the store ever answered
+        if not registering.done() or registering.exception():  # stopped, or refused
             registering.cancel()
+            self.observer.stop()
             await self.transport.close()
-            return 0
+            return 1 if report_stopped([registering] if registering.done() else []) else 0
         await self.subscriptions.set_control(self.me, self._on_control)
-        self.observer.start()
         loop = asyncio.get_running_loop()
         for name, coro in (
             ("broker", self.subscriptions.run(on_connected=self.sink.retry)),
@@ -128,10 +130,7 @@ class Consumer:
             self._tasks.append(loop.create_task(coro, name=name))
         stopper = loop.create_task(stop.wait(), name="stop")
         done, _ = await asyncio.wait([stopper, *self._tasks], return_when=asyncio.FIRST_COMPLETED)
-        crashed = [t for t in done if t is not stopper]
-        for task in crashed:
-            log.error("task %s stopped unexpectedly; shutting down", task.get_name(),
-                      exc_info=task.exception())
+        crashed = report_stopped(t for t in done if t is not stopper)
         stopper.cancel()
         await self.shutdown()
         return 1 if crashed else 0
@@ -466,7 +465,8 @@ class Consumer:
         while True:
             await asyncio.sleep(self.settings.renew_interval.total_seconds())
             try:
-                renewal = await self.lease.renew(len(self.runner))
+                renewal = await self.lease.renew(
+                    len(self.runner), subscribed=self.subscriptions.connected.is_set())
             except LeaseLost as exc:
                 await self._fence(str(exc))
                 continue

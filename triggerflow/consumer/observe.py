@@ -1,4 +1,5 @@
-"""What a consumer shows of itself: gauges of held triggers, and the blocked-loop watchdog."""
+"""What a consumer shows of itself: gauges of held triggers, the blocked-loop watchdog, and
+the checks its readiness probe answers from."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from operator import attrgetter
 from typing import TYPE_CHECKING, Any
 
 from triggerflow import telemetry
+from triggerflow.health import get_health
 from triggerflow.telemetry import get_metrics
 from triggerflow.triggers.base import BaseTrigger
 from triggerflow.watchdog import LoopWatchdog
@@ -30,7 +32,14 @@ class ConsumerObserver:
         self._register_gauges()
 
     def start(self) -> None:
+        """Watch the loop, and answer readiness from the lease and the subscriptions."""
         self.watchdog.start()
+        c = self.consumer
+        health = get_health()
+        health.watch_loop()
+        health.check("lease", c.lease.problem)
+        health.check("database", c.lease.database_problem)
+        health.check("broker", c.subscriptions.problem)
 
     def stop(self) -> None:
         self.watchdog.stop()

@@ -16,8 +16,9 @@ Contract shared by every implementation:
 * **Idempotence.** Re-applying an event, re-claiming an owned id, releasing twice: no change.
 
 Errors: :class:`StoreUnavailable` when the store cannot be reached right now (worth a retry),
-:class:`EventRefused` when ``apply_events`` refuses the batch's content (split it and find
-the bad event), :class:`StoreError` for anything else the store refused.
+:class:`StoreAccessRefused` when it refuses our credentials, :class:`EventRefused` when
+``apply_events`` refuses the batch's content (split it and find the bad event),
+:class:`StoreError` for anything else the store refused.
 """
 
 from __future__ import annotations
@@ -36,6 +37,11 @@ class StoreError(Exception):
 
 class StoreUnavailable(StoreError):
     """The store is unreachable right now (restart, dropped connection): retry later."""
+
+
+class StoreAccessRefused(StoreError):
+    """The database refused our credentials (password, role, database name): retrying the
+    same configuration is useful only while a secret is being rotated."""
 
 
 class EventRefused(StoreError):
@@ -186,9 +192,11 @@ class Store(Protocol):
         """Start a lease of ``ttl`` seconds; returns this process's id."""
         ...
 
-    async def renew(self, me: int, ttl: float, running: int,
-                    queues: Sequence[str]) -> Renewal | None:
-        """Extend my lease; None when it had already expired (I am fenced: stop everything)."""
+    async def renew(self, me: int, ttl: float, running: int, queues: Sequence[str], *,
+                    subscribed: bool = True) -> Renewal | None:
+        """Extend my lease; None when it had already expired (I am fenced: stop everything).
+        ``subscribed``: whether I am subscribed on the broker; only consumers that are count
+        as live peers (capacity) for anyone's rebalancing and consumer counts."""
         ...
 
     async def unregister(self, me: int) -> None:

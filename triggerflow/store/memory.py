@@ -93,6 +93,7 @@ class Process:
     probation: list[int] = field(default_factory=list)
     started_at: float = 0.0
     ttl: float = 0.0
+    subscribed: bool = False  # on the broker, as of the last renewal (counted only then)
 
 
 class MemoryStore:
@@ -155,17 +156,19 @@ class MemoryStore:
                                      ttl=ttl)
         return me
 
-    async def renew(self, me: int, ttl: float, running: int,
-                    queues: Sequence[str]) -> Renewal | None:
+    async def renew(self, me: int, ttl: float, running: int, queues: Sequence[str], *,
+                    subscribed: bool = True) -> Renewal | None:
         if not self._alive(me):
             return None
         now = self.clock()
         mine = self.processes[me]
         mine.expires_at, mine.running, mine.ttl = now + ttl, running, ttl
+        mine.subscribed = subscribed
         same_set = [p for p in self.processes.values() if set(p.queues) == set(queues)]
         dead = [p for p in self.processes.values() if p.expires_at <= now
                 and (not queues or set(p.queues) & set(queues))]
-        live = [p for p in same_set if p.kind is ProcessKind.CONSUMER and p.expires_at > now]
+        live = [p for p in same_set if p.kind is ProcessKind.CONSUMER and p.expires_at > now
+                and p.subscribed]
         return Renewal(len(dead), len(live), sum(p.running for p in live))
 
     async def unregister(self, me: int) -> None:
@@ -408,7 +411,7 @@ class MemoryStore:
 
     async def queue_consumers(self, queues: Sequence[str]) -> dict[str, int]:
         live = [p for pid, p in self.processes.items()
-                if p.kind is ProcessKind.CONSUMER and self._alive(pid)]
+                if p.kind is ProcessKind.CONSUMER and self._alive(pid) and p.subscribed]
         return {q: sum(1 for p in live if q in p.queues) for q in queues}
 
     # -- SDK -----------------------------------------------------------------------------

@@ -6,6 +6,7 @@ driver.
 """
 
 from triggerflow.transport.interface import (
+    AccessRefused,
     Delivery,
     DeliveryHandler,
     PublishRefused,
@@ -19,6 +20,7 @@ from triggerflow.transport.interface import (
 )
 
 __all__ = [
+    "AccessRefused",
     "Delivery",
     "DeliveryHandler",
     "PublishRefused",

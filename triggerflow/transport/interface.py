@@ -34,6 +34,11 @@ class TransportUnavailable(TransportError, ConnectionError):
     """The connection or channel is gone; reconnect before the next call."""
 
 
+class AccessRefused(TransportError):
+    """The broker refused our credentials or our virtual host: waiting does not fix that
+    (unless a secret is being rotated)."""
+
+
 class Unroutable(TransportError, RuntimeError):
     """A mandatory publish had no queue bound for its routing key."""
 

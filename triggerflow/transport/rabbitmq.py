@@ -28,6 +28,7 @@ from aio_pika.abc import (
 from yarl import URL
 
 from triggerflow.transport.interface import (
+    AccessRefused,
     DeliveryHandler,
     PublishRefused,
     QueueFull,
@@ -65,12 +66,21 @@ CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
 )
 
 
+# The broker refused who we are: a wrong password or unknown user (RabbitMQ closes the
+# connection during the handshake) or a virtual host this user may not open.
+ACCESS_ERRORS: tuple[type[BaseException], ...] = (
+    aiormq.exceptions.ProbableAuthenticationError,
+    aiormq.exceptions.AuthenticationError,
+    aiormq.exceptions.ConnectionNotAllowed,
+)
 
 
 @contextlib.asynccontextmanager
 async def _connection_errors() -> AsyncIterator[None]:
     try:
         yield
+    except ACCESS_ERRORS as exc:
+        raise AccessRefused(f"{type(exc).__name__}: {exc}") from exc
     except CONNECTION_ERRORS as exc:
         raise TransportUnavailable(repr(exc)) from exc
 
@@ -129,9 +139,19 @@ class RabbitTransport:
             await self.close()
         self.closed.clear()
         async with _connection_errors():
-            self.connection = await aio_pika.connect(
-                self.url, client_properties={"connection_name": self.name}
-            )
+            try:
+                self.connection = await aio_pika.connect(
+                    self.url, client_properties={"connection_name": self.name}
+                )
+            except aiormq.exceptions.InvalidFrameError as exc:
+                # RabbitMQ answers Connection.Open with Connection.Close (530 NOT_ALLOWED) for
+                # a vhost this user may not open or that does not exist; aiormq reports only
+                # the unexpected frame.
+                if "Connection.Close" not in str(exc):
+                    raise
+                raise AccessRefused(f"the broker refused to open virtual host "
+                                    f"{URL(self.url).path[1:] or '/'!r} for user "
+                                    f"{self.user!r}") from exc
             self.connection.close_callbacks.add(lambda *_: self.closed.set())
             self.channel = await self.connection.channel(
                 publisher_confirms=True, on_return_raises=True

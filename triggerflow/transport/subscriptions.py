@@ -16,15 +16,15 @@ import logging
 from collections.abc import Awaitable, Callable
 from functools import partial
 
-from tenacity import (
-    AsyncRetrying,
-    RetryCallState,
-    retry_if_exception_type,
-    retry_if_not_exception_type,
-    wait_exponential_jitter,
-)
+from tenacity import wait_exponential_jitter
 
-from triggerflow.transport.interface import DeliveryHandler, SubscribeRefused, Transport
+from triggerflow.refusals import Refusals
+from triggerflow.transport.interface import (
+    AccessRefused,
+    DeliveryHandler,
+    SubscribeRefused,
+    Transport,
+)
 
 log = logging.getLogger(__name__)
 
@@ -35,18 +35,14 @@ class ConnectionLost(Exception):
     """The transport's connection closed while we were watching it."""
 
 
-def _log_retry(state: RetryCallState) -> None:
-    exc = state.outcome.exception() if state.outcome else None
-    wait = state.next_action.sleep if state.next_action else 0.0
-    log.warning("broker unavailable (%r); retrying in %.1fs", exc, wait)
-
-
 class Subscriptions:
     """The queues one loop consumes (and its control queue), kept subscribed.
 
     ``prefetch`` bounds unacked deliveries per subscription; ``check_interval`` is how often
     they are checked; ``renew`` re-subscribes on every check (see the module docstring).
-    While ``paused`` (a consumer at capacity) the team queues are not subscribed.
+    While ``paused`` (a consumer at capacity) the team queues are not subscribed. A broker
+    that refuses our credentials ``refusals.ACCESS_ATTEMPTS`` times in a row ends :meth:`run`
+    with :class:`AccessRefused`; :meth:`problem` says why we are not subscribed, for readiness.
     """
 
     def __init__(self, transport: Transport, *, prefetch: int, check_interval: float,
@@ -63,6 +59,8 @@ class Subscriptions:
         self._tags: dict[str, str] = {}
         self._control: tuple[int, DeliveryHandler] | None = None
         self._control_tag: str | None = None
+        self.refusals = Refusals("the broker", AccessRefused, log)
+        self._renewing: set[str] = set()  # healthy subscriptions being renewed right now
 
     def add(self, queue: str, handler: DeliveryHandler) -> None:
         self._wanted[queue] = partial(self.transport.subscribe, queue, handler,
@@ -83,6 +81,16 @@ class Subscriptions:
     def subscribed(self) -> list[str]:
         return list(self._tags)
 
+    def problem(self) -> str | None:
+        """Why we are not consuming what we should, or None. Read from the health server's
+        thread: it only copies attributes the loop sets."""
+        if not self.connected.is_set():
+            return f"not connected ({self.refusals.last_error or 'connecting'})"
+        if self.paused or self.stopped:
+            return None  # at capacity (or stopping) on purpose
+        missing = set(self._wanted) - set(self._tags) - set(self._renewing)
+        return f"not subscribed to {', '.join(sorted(missing))}" if missing else None
+
     # -- the loop ------------------------------------------------------------------------
 
     async def run(self, on_connected: Callable[[], None] | None = None,
@@ -92,12 +100,10 @@ class Subscriptions:
         Raises :class:`SubscribeRefused` (after one error line) when the broker user may not
         read a wanted queue: reconnecting cannot change a permission."""
         while True:
-            async for attempt in AsyncRetrying(
-                retry=retry_if_exception_type(Exception)
-                & retry_if_not_exception_type(SubscribeRefused),
-                wait=wait_exponential_jitter(multiplier=0.5, max=10, jitter=0.5),
-                before_sleep=_log_retry,
-            ):
+            # A queue this user may not read is refused for good: not retried at all.
+            async for attempt in self.refusals.retrying(
+                    Exception, wait_exponential_jitter(multiplier=0.5, max=10, jitter=0.5),
+                    never=SubscribeRefused):
                 with attempt:
                     try:
                         await self._session(on_connected)
@@ -117,6 +123,7 @@ class Subscriptions:
         await self.open()
         if self._control is not None:
             await self._subscribe_control()
+        self.refusals.reset()
         self.connected.set()
         if on_connected is not None:
             on_connected()
@@ -166,19 +173,24 @@ class Subscriptions:
 
     async def check(self) -> None:
         """Re-subscribe what the broker dropped; with ``renew``, renew the rest too."""
-        for queue, tag in list(self._tags.items()):
-            consuming = await self.transport.is_consuming(tag)
-            if consuming and not self.renew:
-                continue
-            if not consuming:
-                log.warning("subscription to %s was cancelled by the broker; re-subscribing",
-                            queue, extra={"queue": queue})
-            elif queue != EVENTS and await self.transport.queue_info(queue) is None:
-                log.error("queue %s no longer exists on the broker", queue, extra={"queue": queue})
-            else:
-                with contextlib.suppress(Exception):
-                    await self.transport.unsubscribe(tag)
-            del self._tags[queue]
-        if self._control_tag and not await self.transport.is_consuming(self._control_tag):
-            await self._subscribe_control()
-        await self.open()
+        try:
+            for queue, tag in list(self._tags.items()):
+                consuming = await self.transport.is_consuming(tag)
+                if consuming and not self.renew:
+                    continue
+                if not consuming:
+                    log.warning("subscription to %s was cancelled by the broker; "
+                                "re-subscribing", queue, extra={"queue": queue})
+                elif queue != EVENTS and await self.transport.queue_info(queue) is None:
+                    log.error("queue %s no longer exists on the broker", queue,
+                              extra={"queue": queue})
+                else:
+                    self._renewing.add(queue)  # dropped on purpose, for a few milliseconds
+                    with contextlib.suppress(Exception):
+                        await self.transport.unsubscribe(tag)
+                del self._tags[queue]
+            if self._control_tag and not await self.transport.is_consuming(self._control_tag):
+                await self._subscribe_control()
+            await self.open()
+        finally:
+            self._renewing.clear()

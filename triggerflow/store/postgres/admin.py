@@ -5,7 +5,7 @@ the reference host (the demo's resumer). Not on any hot path of the loops.
 STATUS_CONSUMERS = """
 SELECT id, kind, host, pid, queues, capacity, running, version, started_at, renewed_at,
        expires_at, expires_at > now() AS alive, cardinality(probation) AS on_probation,
-       extract(epoch FROM now() - started_at)::float8 AS started_ago
+       extract(epoch FROM now() - started_at)::float8 AS started_ago, subscribed
 FROM consumer ORDER BY kind, id
 """
 
@@ -130,9 +130,10 @@ SELECT unnest(queues) FROM consumer WHERE kind = 'consumer'
 QUEUE_GAUGES = """
 WITH w AS (SELECT count(*) AS writers FROM consumer WHERE kind = 'writer' AND expires_at > now())
 SELECT q.queue, w.writers,
+       -- capacity (what KEDA divides by): only consumers subscribed on the broker
        (SELECT count(*) FROM consumer c
-        WHERE c.kind = 'consumer' AND c.expires_at > now() AND q.queue = ANY(c.queues))
-           AS consumers,
+        WHERE c.kind = 'consumer' AND c.expires_at > now() AND c.subscribed
+          AND q.queue = ANY(c.queues)) AS consumers,
        (SELECT count(*) FROM consumer c
         WHERE c.kind = 'consumer' AND c.expires_at > now() AND q.queue = ANY(c.queues)
           AND c.running < c.capacity * 0.9

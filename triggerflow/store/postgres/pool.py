@@ -7,10 +7,18 @@ PostgresStore`, which also owns the translation of driver errors into the store'
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+import contextlib
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import asyncpg
+
+from triggerflow.store.interface import (
+    EventRefused,
+    StoreAccessRefused,
+    StoreError,
+    StoreUnavailable,
+)
 
 # asyncpg ships no type information; rows are read as mappings of column name to value.
 Record = Mapping[str, Any]
@@ -29,6 +37,31 @@ DB_DISCONNECTED: tuple[type[BaseException], ...] = (
 # payload nested past the server's limits (class 54: "stack depth limit exceeded" parsing a
 # deep jsonb). Such an event is refused and dead-lettered; retried, it would stop every writer.
 DATA_ERRORS: tuple[type[BaseException], ...] = (asyncpg.DataError, asyncpg.ProgramLimitExceededError)
+
+# The server refused who we are (password, role, database name): no retry fixes that.
+ACCESS_REFUSED: tuple[type[BaseException], ...] = (
+    asyncpg.InvalidAuthorizationSpecificationError,  # unknown role, pg_hba refusal, password
+    asyncpg.InvalidCatalogNameError,  # no such database
+)
+REFUSED_CONTENT = (*DATA_ERRORS, asyncpg.IntegrityConstraintViolationError)
+
+
+@contextlib.asynccontextmanager
+async def store_errors(
+    refused: tuple[type[BaseException], ...] = REFUSED_CONTENT,
+) -> AsyncIterator[None]:
+    """Driver errors as the store's own (see :mod:`triggerflow.store.interface`); ``refused``:
+    the errors that mean an event's content was refused."""
+    try:
+        yield
+    except DB_DISCONNECTED as exc:
+        raise StoreUnavailable(repr(exc)) from exc
+    except ACCESS_REFUSED as exc:
+        raise StoreAccessRefused(f"{type(exc).__name__}: {exc}") from exc
+    except refused as exc:
+        raise EventRefused(str(exc)) from exc
+    except asyncpg.PostgresError as exc:
+        raise StoreError(repr(exc)) from exc
 
 
 async def keep_session(conn: asyncpg.Connection) -> None:

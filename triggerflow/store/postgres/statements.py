@@ -73,9 +73,12 @@ SELECT id, NULL, true, queue FROM orphan
 
 # -- consumer
 
+# Not counted as capacity until its first renewal says it is subscribed on the broker (the
+# column defaults to true only for rows of processes older than it, during an upgrade).
 REGISTER = """
-INSERT INTO consumer (kind, host, pid, queues, capacity, version, expires_at)
-VALUES ($1, $2, $3, $4::text[], $5, $6, now() + make_interval(secs => $7))
+INSERT INTO consumer (kind, host, pid, queues, capacity, version, expires_at,
+                      subscribed)
+VALUES ($1, $2, $3, $4::text[], $5, $6, now() + make_interval(secs => $7), false)
 RETURNING id
 """
 
@@ -88,9 +91,12 @@ RETURNING id
 # rows are read). The peers' counts, for rebalancing only, are read when $5 asks for them
 # (every few seconds): CASE leaves the subqueries unevaluated otherwise, so a renewal does
 # not scan the consumer table (n processes x n rows each second).
+# Only peers subscribed on the broker ($6 for my own row) count: one that cannot reach the
+# broker (a wrong password) renews its lease but receives nothing, and counted it would
+# make its peers shed triggers to it forever.
 RENEW = """
 UPDATE consumer SET renewed_at = now(), expires_at = now() + make_interval(secs => $2),
-       running = $3
+       running = $3, subscribed = $6
 WHERE id = $1 AND expires_at > now()
 RETURNING
     EXISTS (SELECT 1 FROM consumer c
@@ -98,6 +104,7 @@ RETURNING
               AND (c.queues && $4::text[] OR cardinality($4::text[]) = 0))::int AS dead_peers,
     CASE WHEN $5 THEN (SELECT count(*) FROM consumer c
          WHERE c.kind = 'consumer' AND c.expires_at > now()
+           AND CASE WHEN c.id = $1 THEN $6 ELSE c.subscribed END
            AND c.queues @> $4::text[] AND c.queues <@ $4::text[])
     ELSE 0 END AS live_peers,
     -- my own row as this renewal writes it: subqueries of RETURNING see it as it was
@@ -106,6 +113,7 @@ RETURNING
          SELECT coalesce(sum(CASE WHEN c.id = $1 THEN $3 ELSE c.running END), 0)
          FROM consumer c
          WHERE c.kind = 'consumer' AND c.expires_at > now()
+           AND CASE WHEN c.id = $1 THEN $6 ELSE c.subscribed END
            AND c.queues @> $4::text[] AND c.queues <@ $4::text[])
     ELSE 0 END AS peers_running
 """
@@ -487,6 +495,7 @@ WHERE queue IS NOT NULL AND (
 QUEUE_CONSUMERS = """
 SELECT q, count(c.id) AS consumers
 FROM unnest($1::text[]) AS q
-LEFT JOIN consumer c ON c.kind = 'consumer' AND c.expires_at > now() AND q = ANY(c.queues)
+LEFT JOIN consumer c ON c.kind = 'consumer' AND c.expires_at > now() AND c.subscribed
+                     AND q = ANY(c.queues)
 GROUP BY q
 """

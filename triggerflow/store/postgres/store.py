@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import sys
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import asyncpg
@@ -23,7 +23,6 @@ from triggerflow.store.interface import (
     Applied,
     Cancelled,
     ClaimResult,
-    EventRefused,
     FreedTrigger,
     KwargsError,
     KwargsProblem,
@@ -31,25 +30,21 @@ from triggerflow.store.interface import (
     ProcessKind,
     Reaped,
     Renewal,
-    StoreError,
-    StoreUnavailable,
     Taker,
     TriggerRef,
     TriggerSpec,
 )
 from triggerflow.store.postgres import statements as sql
 from triggerflow.store.postgres.pool import (
-    DATA_ERRORS,
-    DB_DISCONNECTED,
     Record,
     create_pool,
     session_settings,
+    store_errors,
 )
 from triggerflow.wire import Event
 
 # Two writers' batches can still meet on a row; such a statement is simply run again.
 _CONFLICTS = (asyncpg.DeadlockDetectedError, asyncpg.SerializationError)
-_REFUSED = (*DATA_ERRORS, asyncpg.IntegrityConstraintViolationError)
 PEERS_EVERY = 5.0  # seconds between reads of the peers' counts (rebalancing) on renewal
 
 
@@ -77,7 +72,8 @@ class PostgresStore:
     @classmethod
     async def connect(cls, dsn: str, *, max_size: int = 4, pgbouncer: bool = False,
                       codec: KwargsCodec | None = None) -> PostgresStore:
-        pool = await create_pool(dsn, max_size=max_size, pgbouncer=pgbouncer)
+        async with store_errors():
+            pool = await create_pool(dsn, max_size=max_size, pgbouncer=pgbouncer)
         return cls(pool, codec, lease_dsn=dsn, pgbouncer=pgbouncer)
 
     async def close(self) -> None:
@@ -108,16 +104,8 @@ class PostgresStore:
 
     # -- plumbing ------------------------------------------------------------------------
 
-    @contextlib.asynccontextmanager
-    async def _errors(self) -> AsyncIterator[None]:
-        try:
-            yield
-        except DB_DISCONNECTED as exc:
-            raise StoreUnavailable(repr(exc)) from exc
-        except _REFUSED as exc:
-            raise EventRefused(str(exc)) from exc
-        except asyncpg.PostgresError as exc:
-            raise StoreError(repr(exc)) from exc
+    def _errors(self) -> contextlib.AbstractAsyncContextManager[None]:
+        return store_errors()
 
     async def _fetch(self, query: str, *args: Any) -> list[Record]:
         async with self._errors(), self.pool.acquire() as conn:
@@ -156,15 +144,16 @@ class PostgresStore:
         assert row is not None
         return int(row["id"])
 
-    async def renew(self, me: int, ttl: float, running: int,
-                    queues: Sequence[str]) -> Renewal | None:
+    async def renew(self, me: int, ttl: float, running: int, queues: Sequence[str], *,
+                    subscribed: bool = True) -> Renewal | None:
         # The peers' counts only feed rebalancing, which can wait a few seconds: reading
         # them on every renewal made each renewal scan the consumer table.
         # While the last read found the load uneven (a rebalance under way), read them on
         # every renewal, so shedding converges as fast as before.
         now = time.monotonic()
         peers = bool(queues) and (now >= self._peers_due or self._uneven)
-        row = await self._lease_fetchrow(sql.RENEW, me, ttl, running, list(queues), peers)
+        row = await self._lease_fetchrow(sql.RENEW, me, ttl, running, list(queues), peers,
+                                         subscribed)
         if row is None:
             return None
         if peers:
