@@ -152,6 +152,8 @@ def one_line_error(done: subprocess.CompletedProcess[str]) -> str:
     (["cancel", "1"], {"TRIGGERFLOW_DATABASE_URL": "mysql://u:hunter2@db/x"},
      "TRIGGERFLOW_DATABASE_URL"),
     (["writer"], {"TRIGGERFLOW_TEAM_USERS": "{not json"}, "TRIGGERFLOW_TEAM_USERS"),
+    (["consume", "--queue", "q"], {"TRIGGERFLOW_KWARGS_KEY": "hunter2-not-a-fernet-key"},
+     "TRIGGERFLOW_KWARGS_KEY"),
 ])
 def test_a_bad_value_is_one_line_naming_its_variable_or_flag(
         args: list[str], env: dict[str, str], names: str) -> None:
