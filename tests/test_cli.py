@@ -237,3 +237,10 @@ def test_a_refused_login_names_the_url_to_check_even_when_wrapped(wrapped: bool)
     assert database.startswith("the database at db:5432 refused the login"), database
     assert "TRIGGERFLOW_DATABASE_URL" in database
     assert "s3cretpw" not in broker + database
+
+
+def test_status_id_states_are_the_stores_statements() -> None:
+    from triggerflow.cli.status import ID_STATES
+    from triggerflow.store.postgres.admin import TRIGGER_IDS
+
+    assert sorted(ID_STATES) == sorted(TRIGGER_IDS)

@@ -50,7 +50,7 @@ def dashboard_expressions() -> dict[str, str]:
              for p in board["panels"] for t in p["targets"]}
     for var in board["templating"]["list"]:
         if var["type"] == "query":
-            metric, label = re.fullmatch(r"label_values\((\w+), (\w+)\)",
+            metric, label = re.fullmatch(r"label_values\((\w+(?:\{[^}]*\})?), (\w+)\)",
                                          var["query"]["query"]).groups()  # type: ignore[union-attr]
             exprs[f"variable ${var['name']}"] = f"max by ({label}) ({metric})"
     return exprs
@@ -136,7 +136,7 @@ def merged(*scrapes: dict[str, set[str]]) -> dict[str, set[str]]:
 
 async def test_every_dashboard_and_alert_series_is_exported(
     client: TriggerflowClient, db: Database, procs: Processes, teams: list[str],
-    settings: Settings, topology: Topology,
+    settings: Settings, topology: Topology, tmp_path: Path,
 ) -> None:
     served, orphaned = teams
     writer_port, consumer_port = free_port(), free_port()
@@ -191,6 +191,7 @@ async def test_every_dashboard_and_alert_series_is_exported(
         return found if "triggerflow_reaper_quarantined_total" in found else None
 
     exported = await wait_until(all_series, 10, interval=0.5, message="quarantine counted")
+    await quarantined_panel_shows(survivors[0], orphaned, tmp_path)
     problems = {where: p for where, expr in {**dashboard_expressions(),
                                              **alert_expressions()}.items()
                 if (p := missing(expr, exported))}
@@ -200,65 +201,177 @@ async def test_every_dashboard_and_alert_series_is_exported(
     assert missing('triggerflow_triggers_running{team="x"}', exported)
 
 
-# Each alert against series that should fire it (and a near miss that should not).
+def panel_expr(title: str, team: str) -> str:
+    board = json.loads(DASHBOARD.read_text())
+    panel = next(p for p in board["panels"] if p["title"] == title)
+    return str(panel["targets"][0]["expr"]).replace("$team", team)
+
+
+async def quarantined_panel_shows(port: int, queue: str, tmp_path: Path) -> None:
+    """The Quarantined panel's query, evaluated by promtool on the quarantine counter as the
+    consumer that quarantined exports it (born at its first increment), returns it; the
+    old ``increase()`` alone returned 0 for the same series."""
+    from tests.test_ops import scrape as scrape_values
+
+    tool = promtool()
+    if tool is None:
+        return
+    found = (await scrape_values(port))["triggerflow_reaper_quarantined_total"]
+    value = next(v for labels, v in found if labels == {"queue": queue})
+    series = f'triggerflow_reaper_quarantined_total{{queue="{queue}",instance="c"}}'
+    old = f'sum(increase(triggerflow_reaper_quarantined_total{{queue="{queue}"}}[1h]))'
+    test = {"interval": "1m",
+            "input_series": [{"series": series, "values": f"_ _ {value:g}x3"}],
+            "promql_expr_test": [
+                {"expr": panel_expr("Quarantined", queue), "eval_time": "4m",
+                 "exp_samples": [{"labels": f'{{queue="{queue}"}}', "value": value}]},
+                {"expr": old, "eval_time": "4m", "exp_samples": [{"labels": "{}", "value": 0}]},
+            ]}
+    rules, _ = alert_rules()
+    out = run_rule_tests(tool, tmp_path, [test], rules)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+# Each alert against series that fire it (one or more ways, with the labels it must carry)
+# and a near miss that must not (one step short of its `for:`, or a healthy twin).
+W = "instance"
 ALERT_CASES: dict[str, dict[str, Any]] = {
+    "TriggerflowNoWriter": {
+        "fire": [
+            ({'triggerflow_queue_consumers{queue="ns.events",instance="c"}': "1 1 0 0 0 0",
+              'triggerflow_queue_subscribers{queue="ns.events",instance="c"}': "1 1 0 0 0 0"},
+             "5m", [{"queue": "ns.events"}]),
+            # every process gone: nothing reports the events queue
+            ({'triggerflow_queue_consumers{queue="team-ml",instance="c"}': "1x5"},
+             "5m", [{"queue": "events"}]),
+            # a writer holds its lease but is not subscribed
+            ({'triggerflow_queue_consumers{queue="ns.events",instance="c"}': "1x5",
+              'triggerflow_queue_subscribers{queue="ns.events",instance="c"}': "1 1 0 0 0 0"},
+             "5m", [{"queue": "ns.events"}]),
+        ],
+        "quiet": ({'triggerflow_queue_consumers{queue="ns.events",instance="c"}': "1 1 1 1 1 0",
+                   'triggerflow_queue_subscribers{queue="ns.events",instance="c"}': "1x5"},
+                  "5m"),
+    },
     "TriggerflowQueueWithoutConsumer": {
-        "series": {'triggerflow_queue_consumers{queue="team-ml",instance="w"}': "1 1 0 0 0 0",
+        "fire": [({'triggerflow_queue_consumers{queue="team-ml",instance="w"}': "1 1 0 0 0 0",
                    'triggerflow_queue_consumers{queue="ns.events",instance="w"}': "0x5",
                    'triggerflow_queue_consumers{queue="team-data-eng",instance="w"}': "1x5"},
-        "at": "5m", "labels": [{"queue": "team-ml"}],
+                  "5m", [{"queue": "team-ml"}])],
+        "quiet": ({'triggerflow_queue_consumers{queue="team-ml",instance="w"}': "1 1 1 1 1 0",
+                   'triggerflow_queue_consumers{queue="ns.dead",instance="w"}': "0x5"}, "5m"),
+    },
+    "TriggerflowConsumerNotSubscribed": {
+        "fire": [({'triggerflow_queue_unsubscribed{queue="team-ml",instance="w"}': "0 1 1 1 1"},
+                  "4m", [{"queue": "team-ml"}])],
+        "quiet": ({'triggerflow_queue_unsubscribed{queue="team-ml",instance="w"}': "0 0 0 1 1"},
+                  "4m"),
     },
     "TriggerflowOverdueDeferredTasks": {
-        "series": {'triggerflow_reaper_timed_out_total{instance="w"}': "0 0 0 3 3"},
-        "at": "4m", "labels": [{"instance": "w"}],
+        "fire": [
+            ({'triggerflow_queue_overdue{queue="team-ml",instance="w"}': "0 3 3 3",
+              'triggerflow_queue_overdue{queue="team-data-eng",instance="w"}': "0x3"},
+             "3m", [{"queue": "team-ml"}]),
+            # timed out by a reaper: the labelled counter is born at its first timeout
+            ({'triggerflow_reaper_timed_out_total{queue="team-ml",instance="w"}': "_ _ 2 2"},
+             "3m", [{"queue": "team-ml"}]),
+            ({'triggerflow_reaper_timed_out_total{queue="team-ml",instance="w"}': "0x20 4 4"},
+             "22m", [{"queue": "team-ml"}]),
+        ],
+        "quiet": ({'triggerflow_queue_overdue{queue="team-ml",instance="w"}': "0x3",
+                   'triggerflow_reaper_timed_out_total{queue="team-ml",instance="w"}': "2x30"},
+                  "30m"),
     },
-    "TriggerflowTriggersQuarantined": {  # a series born at 1: only the `unless` clause sees it
-        "series": {'triggerflow_reaper_quarantined_total{queue="team-ml",instance="c"}':
-                   "_ _ 1 1 1"},
-        "at": "4m", "labels": [{"queue": "team-ml"}],
+    "TriggerflowTriggersQuarantined": {
+        "fire": [  # a series born at 1: only the `unless` clause sees it
+            ({'triggerflow_reaper_quarantined_total{queue="team-ml",instance="c"}': "_ _ 1 1 1"},
+             "4m", [{"queue": "team-ml"}]),
+            # an old series that rose: increase()
+            ({'triggerflow_reaper_quarantined_total{queue="team-ml",instance="c"}': "0x65 1 1"},
+             "67m", [{"queue": "team-ml"}]),
+        ],
+        "quiet": ({'triggerflow_reaper_quarantined_total{queue="team-ml",instance="c"}': "1x70"},
+                  "70m"),
     },
     "TriggerflowLeaseFlapping": {
-        "series": {'triggerflow_lease_lost_total{instance="c1"}': "0 1 2 2 2",
-                   'triggerflow_lease_lost_total{instance="c2"}': "0 0 1 1 1"},
-        "at": "4m", "labels": [{"instance": "c1"}],
+        "fire": [({'triggerflow_lease_lost_total{instance="c1"}': "0 1 2 2 2",
+                   'triggerflow_triggers_running{instance="c1",queue="team-ml"}': "5x4",
+                   'triggerflow_lease_lost_total{instance="c2"}': "0 0 1 1 1",
+                   'triggerflow_triggers_running{instance="c2",queue="team-ml"}': "5x4"},
+                  "4m", [{"instance": "c1", "queue": "team-ml"}])],
+        "quiet": ({'triggerflow_lease_lost_total{instance="c2"}': "0 0 1 1 1",
+                   'triggerflow_triggers_running{instance="c2",queue="team-ml"}': "5x4"}, "4m"),
     },
     "TriggerflowWriterLag": {
-        "series": {'triggerflow_queue_depth{queue="ns.events",instance="w"}': "0 500x8"},
-        "at": "8m", "labels": [{}],
+        "fire": [
+            ({'triggerflow_queue_depth{queue="ns.events",instance="w"}': "0 500x8"},
+             "8m", [{"queue": "ns.events"}]),
+            ({'triggerflow_queue_backlog_seconds{queue="ns.events",instance="c"}':
+              "0 60 120 180 240 300 360 420"}, "7m", [{"queue": "ns.events"}]),
+        ],
+        "quiet": ({'triggerflow_queue_depth{queue="ns.events",instance="w"}': "0 50x8",
+                   'triggerflow_queue_backlog_seconds{queue="ns.events",instance="c"}':
+                   "0 30 0 30 0 30 0 30 0"}, "8m"),
     },
     "TriggerflowDeadLetters": {
-        "series": {'triggerflow_queue_depth{queue="ns.dead",instance="w"}': "0 0 1 1"},
-        "at": "3m", "labels": [{}],
+        "fire": [
+            ({'triggerflow_queue_depth{queue="ns.dead",instance="w"}': "0 0 1 1"},
+             "3m", [{"queue": "ns.dead"}]),
+            ({'triggerflow_messages_dead_lettered_total{reason="malformed",instance="c"}':
+              "_ _ 1 1"}, "3m", [{"queue": "dead", "reason": "malformed"}]),
+        ],
+        "quiet": ({'triggerflow_queue_depth{queue="ns.dead",instance="w"}': "0x3",
+                   'triggerflow_messages_dead_lettered_total{reason="malformed",instance="c"}':
+                   "0x3"}, "3m"),
     },
 }
+
+
+def alert_rules() -> tuple[dict[str, Any], dict[str, str]]:
+    """The rule file without annotations (read by eye in the docs), and each alert's severity."""
+    rules = yaml.safe_load(ALERTS.read_text())
+    severity = {}
+    for group in rules["groups"]:
+        for rule in group["rules"]:
+            rule.pop("annotations")
+            severity[rule["alert"]] = rule["labels"]["severity"]
+    return rules, severity
+
+
+def run_rule_tests(tool: str, tmp_path: Path, tests: list[dict[str, Any]],
+                   rules: dict[str, Any]) -> subprocess.CompletedProcess[str]:
+    (tmp_path / "rules.yaml").write_text(yaml.safe_dump(rules))
+    (tmp_path / "tests.yaml").write_text(yaml.safe_dump(
+        {"rule_files": ["rules.yaml"], "evaluation_interval": "1m", "tests": tests}))
+    return subprocess.run([tool, "test", "rules", "tests.yaml"], capture_output=True,
+                          text=True, cwd=tmp_path)
+
+
+def alert_test(alert: str, series: dict[str, str], at: str,
+               fired: list[dict[str, str]]) -> dict[str, Any]:
+    return {"interval": "1m",
+            "input_series": [{"series": s, "values": v} for s, v in series.items()],
+            "alert_rule_test": [{"eval_time": at, "alertname": alert,
+                                 "exp_alerts": [{"exp_labels": labels} for labels in fired]}]}
 
 
 def test_alerts_fire_on_their_conditions(tmp_path: Path) -> None:
     tool = promtool()
     if tool is None:
         pytest.skip("promtool not found (.ci/tools fetches it)")
-    rules = yaml.safe_load(ALERTS.read_text())
-    severity = {}
-    for group in rules["groups"]:
-        for rule in group["rules"]:
-            rule.pop("annotations")  # checked by eye in docs; the conditions are tested here
-            severity[rule["alert"]] = rule["labels"]["severity"]
+    rules, severity = alert_rules()
     assert set(severity) == set(ALERT_CASES)
-    (tmp_path / "rules.yaml").write_text(yaml.safe_dump(rules))
     tests = []
     for alert, case in ALERT_CASES.items():
-        tests.append({
-            "interval": "1m",
-            "input_series": [{"series": s, "values": v} for s, v in case["series"].items()],
-            "alert_rule_test": [
-                {"eval_time": case["at"], "alertname": alert,
-                 "exp_alerts": [{"exp_labels": {**labels, "severity": severity[alert]}}
-                                for labels in case["labels"]]},
-                {"eval_time": "0m", "alertname": alert, "exp_alerts": []},
-            ],
-        })
-    (tmp_path / "tests.yaml").write_text(yaml.safe_dump(
-        {"rule_files": ["rules.yaml"], "evaluation_interval": "1m", "tests": tests}))
-    out = subprocess.run([tool, "test", "rules", "tests.yaml"], capture_output=True, text=True,
-                         cwd=tmp_path)
+        for series, at, labels in case["fire"]:
+            tests.append(alert_test(alert, series, at,
+                                    [{**x, "severity": severity[alert]} for x in labels]))
+        quiet, at = case["quiet"]
+        tests.append(alert_test(alert, quiet, at, []))
+    out = run_rule_tests(tool, tmp_path, tests, rules)
     assert out.returncode == 0, out.stdout + out.stderr
+    # and the harness notices an alert that does not fire when it should
+    miss = alert_test("TriggerflowQueueWithoutConsumer", ALERT_CASES[
+        "TriggerflowQueueWithoutConsumer"]["quiet"][0], "5m", [{"queue": "team-ml",
+                                                                "severity": "critical"}])
+    assert run_rule_tests(tool, tmp_path, [miss], rules).returncode != 0

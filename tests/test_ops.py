@@ -211,10 +211,14 @@ async def test_queue_depth_and_consumer_count_per_queue(
 
     async def consumer_view() -> Samples | None:
         s = await scrape(cport)
-        return s if s.get("triggerflow_queue_consumers") == [({"queue": served}, 1.0)] else None
+        return s if sorted(s.get("triggerflow_queue_consumers", []), key=str) == [
+            ({"queue": served}, 1.0), ({"queue": events_queue}, 1.0)] else None
 
     c = await wait_until(consumer_view, 15, message="consumer's queue gauges")
-    assert c["triggerflow_queue_depth"] == [({"queue": served}, 0.0)]  # its own queues only
+    # its own queues only, and the shared ones (so a vanished writer still shows as 0)
+    assert sorted(c["triggerflow_queue_depth"], key=str) == [
+        ({"queue": served}, 0.0), ({"queue": f"{settings.namespace}.dead"}, 0.0),
+        ({"queue": events_queue}, 0.0)]
 
 
 # ----------------------------------------------------------------------------- traces

@@ -52,8 +52,9 @@ async def test_status_json_names_a_queue_only_the_broker_has(
 ) -> None:
     for team in teams:
         procs.consume(team)
+    procs.writer()
     await wait_until(lambda: db.fetchval(
-        "SELECT count(*) = 2 FROM consumer WHERE kind = 'consumer' AND expires_at > now()"), 20)
+        "SELECT count(*) = 3 FROM consumer WHERE expires_at > now()"), 20)
 
     async def broker_sees_both() -> dict[str, Any] | None:
         """The report, once the management API's statistics list both subscriptions."""

@@ -193,7 +193,7 @@ async def test_an_overdue_task_is_timed_out_even_under_a_live_owner(
     me = await store.register(ProcessKind.CONSUMER, "h", 1, [Q], 10, "v", ttl=60)
     await store.claim(me, ids, [Q])  # held by a live consumer that does not run them
     await asyncio.sleep(2.7)  # timeout + the 2 s slack
-    assert sorted(await store.time_out_orphans([Q], 7 * 86400)) == sorted(ids)
+    assert sorted(r.id for r in await store.time_out_orphans([Q], 7 * 86400)) == sorted(ids)
     assert await db.fetchval("SELECT count(*) FROM task_instance WHERE state = 'deferred'") == 0
 
 

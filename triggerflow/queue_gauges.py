@@ -1,4 +1,5 @@
-"""Per-queue gauges (depth, consumers, subscribers) every ``consume``/``writer`` process exports."""
+"""Per-queue gauges every ``consume``/``writer`` process exports: depth, consumers by lease,
+subscribers on the broker, leased consumers not subscribed, backlog age, overdue tasks."""
 
 from __future__ import annotations
 
@@ -8,50 +9,91 @@ import contextlib
 import logging
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from triggerflow.redact import Redactor
 from triggerflow.settings import Settings
 from triggerflow.store.postgres import Database
-from triggerflow.store.postgres.admin import ALL_QUEUES, LIVE_WRITERS
-from triggerflow.store.postgres.statements import QUEUE_CONSUMERS
+from triggerflow.store.postgres.admin import ALL_QUEUES, QUEUE_GAUGES
+from triggerflow.transport import QueueInfo
 from triggerflow.transport.rabbitmq import RabbitTransport, Topology
 from triggerflow.wiring import admin_database, rabbit_transport
 
 log = logging.getLogger(__name__)
 
+# The broker's queue list (management API, two HTTP calls) is read every this many polls:
+# it only adds queues nothing else names, which change rarely.
+LISTING_EVERY = 6
+
+
+@dataclass(frozen=True)
+class QueueSample:
+    """One poll's numbers for one queue; None where they do not apply or could not be read."""
+
+    depth: int | None  # ready messages
+    subscribers: int | None  # consumers the broker delivers to
+    consumers: int | None  # live by lease (live writers for the events queue)
+    unsubscribed: int | None = None  # leased, well below capacity, yet not subscribed
+    backlog_seconds: float | None = None  # how long ready messages have waited unbroken
+    overdue: int | None = None  # deferred tasks > 10 s past their timeout
+
 
 class QueueGauges:
-    """Exports ``triggerflow.queue.depth`` / ``.consumers`` / ``.subscribers`` per queue.
+    """Exports the ``triggerflow.queue.*`` gauges (telemetry.py names them) per queue.
 
     A daemon thread with its own event loop, one database connection and one AMQP connection
-    polls every ``interval`` seconds (two statements and a passive declare per queue), so the
-    numbers keep coming while the process's own loop is blocked. A consumer reports its
-    queues; a writer reports every queue (those consumers declare and those with triggers
-    waiting) plus the events queue (``consumers`` there = live writers) and the dead-letter
-    queue. Each process reports the same queues, so aggregate with ``max by (queue)``.
+    polls every ``interval`` seconds, so the numbers keep coming while the process's own loop
+    is blocked. A consumer reports its queues; a writer reports every team queue it has ever
+    seen while the broker still has it (those consumers declare, those with triggers waiting,
+    and those bound to the deferrals exchange per the management API), so a queue whose
+    triggers all timed out is still reported with 0 consumers. Both report the events queue
+    (``consumers`` there = live writers) and the dead-letter queue, so a vanished writer shows
+    as 0 writers rather than as no series. Aggregate with ``max by (queue)``.
+
+    ``backlog_seconds`` is how long the poll has seen ready messages in the queue without
+    once finding it empty: for a queue nobody drains (dead letters, events with no writer)
+    the age of its oldest message, within one interval, as long as this process has run.
     """
 
-    def __init__(self, settings: Settings, interval: float | None = None) -> None:
+    def __init__(self, settings: Settings, *, all_queues: bool = False,
+                 interval: float | None = None) -> None:
         from triggerflow import telemetry
 
         self.settings = settings
+        self.all_queues = all_queues
         self.interval = interval or min(5.0, settings.reaper_interval.total_seconds())
         self.topology = Topology(settings.namespace)
         self.redact = Redactor(settings)
-        self.snapshot: dict[str, tuple[int | None, int | None, int | None]] = {}
+        self.snapshot: dict[str, QueueSample] = {}
         self.updated = 0.0  # monotonic time of the last good poll
+        self._known: set[str] = set()  # team queues seen, kept while the broker has them
+        self._waiting_since: dict[str, float] = {}
+        self._listing_failed = False
+        self._polls = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="queue-gauges", daemon=True)
         m = telemetry.get_metrics()
-        m.gauge(telemetry.QUEUE_DEPTH, "Wake-up (or event) messages ready in the broker queue",
-                lambda: self._observe(0))
-        m.gauge(telemetry.QUEUE_CONSUMERS,
-                "Live consumers (by lease) serving the queue; live writers for the events queue",
-                lambda: self._observe(2))
-        m.gauge(telemetry.QUEUE_SUBSCRIBERS,
-                "Consumers the broker delivers the queue to (0 while paused at capacity)",
-                lambda: self._observe(1))
+        for name, description, field in (
+            (telemetry.QUEUE_DEPTH, "Wake-up (or event) messages ready in the broker queue",
+             "depth"),
+            (telemetry.QUEUE_CONSUMERS,
+             "Live consumers (by lease) serving the queue; live writers for the events queue",
+             "consumers"),
+            (telemetry.QUEUE_SUBSCRIBERS,
+             "Consumers the broker delivers the queue to (0 while paused at capacity)",
+             "subscribers"),
+            (telemetry.QUEUE_UNSUBSCRIBED,
+             "Live consumers below 90% of capacity the broker does not deliver the queue to",
+             "unsubscribed"),
+            (telemetry.QUEUE_BACKLOG,
+             "Seconds the queue has had ready messages without being seen empty",
+             "backlog_seconds"),
+            (telemetry.QUEUE_OVERDUE, "Deferred tasks more than 10 s past their timeout",
+             "overdue"),
+        ):
+            m.gauge(name, description, self._observer(field))
 
     def start(self) -> QueueGauges:
         self._thread.start()
@@ -63,15 +105,18 @@ class QueueGauges:
         if self._thread.is_alive():
             self._thread.join(timeout)
 
-    def _observe(self, index: int) -> list[tuple[float, dict[str, Any]]]:
-        if time.monotonic() - self.updated > 3 * self.interval + 5:
-            return []  # stale: report nothing rather than old numbers
-        out: list[tuple[float, dict[str, Any]]] = []
-        for queue, values in sorted(self.snapshot.items()):
-            value = values[index]
-            if value is not None:
-                out.append((float(value), {"queue": queue}))
-        return out
+    def _observer(self, field: str) -> Callable[[], list[tuple[float, dict[str, Any]]]]:
+        def observe() -> list[tuple[float, dict[str, Any]]]:
+            if time.monotonic() - self.updated > 3 * self.interval + 5:
+                return []  # stale: report nothing rather than old numbers
+            out: list[tuple[float, dict[str, Any]]] = []
+            for queue, sample in sorted(self.snapshot.items()):
+                value = getattr(sample, field)
+                if value is not None:
+                    out.append((float(value), {"queue": queue}))
+            return out
+
+        return observe
 
     def _run(self) -> None:
         asyncio.run(self._main())
@@ -107,30 +152,88 @@ class QueueGauges:
                 with contextlib.suppress(Exception):
                     await closer
 
-    async def poll(
-        self, db: Database, broker: RabbitTransport
-    ) -> dict[str, tuple[int | None, int | None, int | None]]:
-        """{queue: (depth, subscribers, live consumers)}; None where the broker has no queue."""
-        queues = list(self.settings.queues)
-        serves_all = not queues
-        if serves_all:
-            scope: list[Any] = await db.fetch(ALL_QUEUES)
-            queues = [r["queue"] for r in scope]
-        counts: list[Any] = await db.fetch(QUEUE_CONSUMERS, queues)
-        live = {r["q"]: int(r["consumers"]) for r in counts}
-        snapshot: dict[str, tuple[int | None, int | None, int | None]] = {}
+    async def poll(self, db: Database, broker: RabbitTransport) -> dict[str, QueueSample]:
+        """{queue: sample} for the team queues this process reports and the shared queues."""
+        queues = await self._team_queues(db)
+        rows: list[Any] = await db.fetch(QUEUE_GAUGES, queues,
+                                         self.settings.lease_ttl.total_seconds())
+        leases = {r["queue"]: r for r in rows if r["queue"] is not None}
+        writers = int(rows[0]["writers"])
+        now = time.monotonic()
+        snapshot: dict[str, QueueSample] = {}
         for queue in queues:
             info = await broker.queue_info(queue)
-            snapshot[queue] = (info[0] if info else None, info[1] if info else None,
-                               live.get(queue, 0))
-        if serves_all:
-            writers = int(await db.fetchval(LIVE_WRITERS))
-            for queue, consumers in ((self.topology.events_queue, writers),
-                                     (self.topology.dead_queue, None)):
-                found = await broker.queue_info(queue)
-                snapshot[queue] = (found[0] if found else None, found[1] if found else None,
-                                   consumers)
+            if info is None:
+                self._known.discard(queue)  # deleted from the broker: stop reporting it
+            row = leases.get(queue)
+            expected = int(row["expected"]) if row else 0
+            snapshot[queue] = QueueSample(
+                depth=info.ready if info else None,
+                subscribers=info.consumers if info else None,
+                consumers=int(row["consumers"]) if row else 0,
+                unsubscribed=max(0, expected - info.consumers) if info else None,
+                backlog_seconds=self._backlog(queue, info, now),
+                overdue=int(row["overdue"]) if row else 0)
+        for queue, consumers in ((self.topology.events_queue, writers),
+                                 (self.topology.dead_queue, None)):
+            info = await self._shared_queue_info(broker, queue)
+            snapshot[queue] = QueueSample(
+                depth=info.ready if info else None,
+                subscribers=info.consumers if info else None, consumers=consumers,
+                backlog_seconds=self._backlog(queue, info, now))
         return snapshot
+
+    async def _team_queues(self, db: Database) -> list[str]:
+        if not self.all_queues:
+            return list(self.settings.queues)
+        found = {r["queue"] for r in await db.fetch(ALL_QUEUES)}
+        if self._polls % LISTING_EVERY == 0:
+            found |= await self._listed_by_broker()
+        self._polls += 1
+        self._known |= found
+        return sorted(self._known)
+
+    async def _listed_by_broker(self) -> set[str]:
+        """Team queues bound to the deferrals exchange; empty (logged once) without the
+        management API: the database's queues and those seen before are still reported."""
+        from triggerflow.transport.management import (
+            ManagementClient,
+            ManagementUnavailable,
+            vhost_of,
+        )
+
+        try:
+            async with ManagementClient(self.settings.management_dsn()) as api:
+                listed = await api.team_queues(vhost_of(self.settings.amqp_dsn()),
+                                               self.topology.deferrals)
+        except ManagementUnavailable as exc:
+            if not self._listing_failed:
+                log.warning("queue gauges: cannot list the broker's team queues (%s); "
+                            "reporting those the database knows", self.redact(str(exc)))
+            self._listing_failed = True
+            return set()
+        self._listing_failed = False
+        return set(listed)
+
+    async def _shared_queue_info(self, broker: RabbitTransport, queue: str) -> QueueInfo | None:
+        # A team's broker user may not be allowed to look at the shared queues: that costs
+        # only those series, never the team queue's.
+        if self.all_queues:
+            return await broker.queue_info(queue)
+        try:
+            return await broker.queue_info(queue)
+        except Exception as exc:
+            log.debug("queue gauges: cannot read %s (%s)", queue, self.redact(repr(exc)))
+            return None
+
+    def _backlog(self, queue: str, info: QueueInfo | None, now: float) -> float | None:
+        if info is None:
+            self._waiting_since.pop(queue, None)
+            return None
+        if not info.ready:
+            self._waiting_since.pop(queue, None)
+            return 0.0
+        return now - self._waiting_since.setdefault(queue, now)
 
 
 _queue_gauges: QueueGauges | None = None
@@ -143,7 +246,5 @@ def start_queue_gauges(settings: Settings, *, all_queues: bool = False) -> Queue
     """
     global _queue_gauges
     if _queue_gauges is None:
-        if all_queues:
-            settings = settings.model_copy(update={"queues": []})
-        _queue_gauges = QueueGauges(settings).start()
+        _queue_gauges = QueueGauges(settings, all_queues=all_queues).start()
     return _queue_gauges

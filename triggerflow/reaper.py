@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections import defaultdict
+from collections import Counter, defaultdict
 from contextlib import AbstractAsyncContextManager
 from typing import Protocol
 
@@ -153,12 +153,13 @@ class Reaper:
         return len(refs)
 
     async def time_out_orphans(self) -> int:
-        ids = await self.store.time_out_orphans(
+        refs = await self.store.time_out_orphans(
             self.queues, self.settings.max_deferral.total_seconds())
-        if ids:
-            get_metrics().timed_out.add(len(ids))
-            log.warning("timed out %d deferred tasks whose trigger ran nowhere", len(ids))
-        return len(ids)
+        for queue, n in Counter(r.queue for r in refs).items():
+            get_metrics().timed_out.add(n, {"queue": queue})
+        if refs:
+            log.warning("timed out %d deferred tasks whose trigger ran nowhere", len(refs))
+        return len(refs)
 
     async def report_unconsumed(self) -> list[str]:
         """Queues in scope with no live consumer: the "nobody consumes default" trap."""

@@ -39,6 +39,9 @@ CAPACITY_LEFT = "triggerflow.capacity_left"
 QUEUE_DEPTH = "triggerflow.queue.depth"
 QUEUE_CONSUMERS = "triggerflow.queue.consumers"
 QUEUE_SUBSCRIBERS = "triggerflow.queue.subscribers"
+QUEUE_UNSUBSCRIBED = "triggerflow.queue.unsubscribed"
+QUEUE_BACKLOG = "triggerflow.queue.backlog_seconds"
+QUEUE_OVERDUE = "triggerflow.queue.overdue"
 
 # Spans (defer -> fire -> write share one trace) and their attributes.
 SPAN_DEFER = "triggerflow.defer"
@@ -131,17 +134,18 @@ class Metrics:
             "triggerflow.reaper.quarantined", description="Triggers quarantined"
         )
         self.timed_out = m.create_counter(
-            "triggerflow.reaper.timed_out", description="Deferred tasks timed out by the reaper"
+            "triggerflow.reaper.timed_out",
+            description="Deferred tasks timed out by the reaper (no trigger ran), by queue"
         )
         self.unconsumed = m.create_counter(
             "triggerflow.queues.unconsumed",
             description="Reaper sweeps that found a queue with no live consumer",
         )
         # Exported at 0 from the start: Prometheus' increase() cannot see a series' first
-        # sample as an increase, so a counter born at 1 would hide the first lease loss or
-        # timeout from the alerts (deploy/prometheus/alerts.yaml).
-        for unlabelled in (self.leases_lost, self.timed_out):
-            unlabelled.add(0)
+        # sample as an increase, so a counter born at 1 would hide the first lease loss from
+        # the alerts (deploy/prometheus/alerts.yaml). Labelled counters cannot be: their
+        # alerts also count a series born within the window (`x unless x offset 1h`).
+        self.leases_lost.add(0)
 
     def gauge(self, name: str, description: str, observe: Observe) -> None:
         """Observe ``name`` through ``observe`` (called on each collection, in the exporter's

@@ -49,13 +49,24 @@ def rabbit_transport(settings: Settings, *, name: str) -> RabbitTransport:
     return RabbitTransport(settings.amqp_dsn(), Topology(settings.namespace), name=name)
 
 
+CONSUMER_CONNECTION = "triggerflow-consumer:"
+
+
+def consumer_connection_name(queues: list[str]) -> str:
+    """What a consumer's AMQP connection calls itself: ``status`` matches the broker's
+    subscribers to consumer rows (host, pid) by it."""
+    import os
+    import socket
+
+    return f"{CONSUMER_CONNECTION}{','.join(queues)}@{socket.gethostname()}:{os.getpid()}"
+
+
 async def serve_consumer(settings: Settings, stop: asyncio.Event) -> int:
     """Run a consumer on the real store and transport until ``stop``; its exit code."""
     from triggerflow.consumer import Consumer
 
     store = await connect_store(settings)
-    transport = make_transport(
-        settings, name=f"triggerflow-consumer:{','.join(settings.queues)}")
+    transport = make_transport(settings, name=consumer_connection_name(settings.queues))
     try:
         if settings.airflow:
             from triggerflow.airflow import serve

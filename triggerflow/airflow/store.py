@@ -255,7 +255,7 @@ class AirflowStore:
         await self._execute(sql.MARK_PUBLISHED, list(ids))
 
     async def time_out_orphans(self, queues: Sequence[str] | None,
-                               max_deferral: float) -> list[int]:
+                               max_deferral: float) -> list[TriggerRef]:
         return []  # Airflow's scheduler times deferred tasks out (check_trigger_timeouts)
 
     async def _clean_unused_of(self, ids: list[int]) -> None:

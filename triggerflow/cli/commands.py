@@ -45,8 +45,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
                 "Re-send triggers no live consumer runs (unclaimed, refused by every consumer, "
                 "or owned by a dead one) to their queue."),
     "status": ("triggerflow.cli.status:register",
-               "Queues (depth, unacked, consumers, running), processes, overdue and quarantined "
-               "triggers."),
+               "Queues (depth, unacked, consumers, running), processes, writers, the events and "
+               "dead-letter queues, overdue and quarantined triggers."),
     "topology": ("triggerflow.cli.services:register", "Broker exchanges and queues."),
     "trigger": ("triggerflow.cli.admin:register", "Inspect triggers."),
     "unquarantine": ("triggerflow.cli.admin:register",

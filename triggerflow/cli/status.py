@@ -14,123 +14,12 @@ import click
 from triggerflow.cli.options import CONNECTION, build_settings, settings_options
 
 if TYPE_CHECKING:
-    from triggerflow.redact import Redactor
     from triggerflow.settings import Settings
-    from triggerflow.transport import QueueInfo
-    from triggerflow.transport.management import BrokerQueue
 
 EXIT_ATTENTION = 3
-
-
-async def collect_status(settings: Settings) -> dict[str, Any]:
-    """Queues, processes, overdue and quarantined triggers, and the problems among them."""
-    from triggerflow.redact import Redactor
-    from triggerflow.store.postgres.admin import (
-        QUARANTINED,
-        STATUS_CONSUMERS,
-        STATUS_OVERDUE,
-        STATUS_QUEUES,
-    )
-    from triggerflow.wiring import admin_database, rabbit_transport
-
-    redact = Redactor(settings)
-    db = await admin_database(settings)
-    try:
-        process_rows: list[Any] = await db.fetch(STATUS_CONSUMERS)
-        queue_rows: list[Any] = await db.fetch(STATUS_QUEUES)
-        overdue = await db.fetchval(STATUS_OVERDUE)
-        quarantine_rows: list[Any] = await db.fetch(QUARANTINED)
-    finally:
-        await db.close()
-    consumers = [dict(r) for r in process_rows]
-    queues = {r["queue"]: dict(r) for r in queue_rows}
-    quarantined = [dict(r) for r in quarantine_rows]
-    names = set(queues) | set(settings.queues)
-    for c in consumers:
-        names.update(c["queues"])
-    listed, management_error = await broker_team_queues(settings)
-    names.update(listed)
-    broker_info: dict[str, QueueInfo | None] = {}
-    broker_error = None
-    try:
-        broker = rabbit_transport(settings, name="triggerflow-status")
-        await broker.connect()
-        try:
-            for name in sorted(names):
-                broker_info[name] = await broker.queue_info(name)
-        finally:
-            await broker.close()
-    except Exception as exc:
-        broker_error = redact(str(exc) or type(exc).__name__)
-    report_queues = []
-    problems: list[str] = []
-    for name in sorted(names):
-        live = [c for c in consumers if c["alive"] and c["kind"] == "consumer"
-                and name in c["queues"]]
-        row = queues.get(name, {})
-        info = broker_info.get(name)
-        entry = {
-            "queue": name,
-            "depth": info[0] if info else None,
-            "broker_consumers": info[1] if info else None,
-            "consumers": len(live),
-            "running": row.get("owned", 0) - row.get("dead_owner", 0),
-            "triggers": row.get("triggers", 0),
-            "unclaimed": row.get("unclaimed", 0),
-            "quarantined": row.get("quarantined", 0),
-            "dead_owner": row.get("dead_owner", 0),
-            **broker_columns(listed.get(name), management_error),
-        }
-        report_queues.append(entry)
-        if not live and (entry["triggers"] or name in settings.queues or name in listed):
-            problems.append(f"queue {name} has no live consumer")
-        if entry["dead_owner"]:
-            problems.append(f"queue {name}: {entry['dead_owner']} triggers held by dead owners")
-        if info is None and not broker_error:
-            problems.append(f"queue {name} does not exist on the broker")
-    if quarantined:
-        problems.append(f"{len(quarantined)} quarantined trigger(s)")
-    if overdue:
-        problems.append(f"{overdue} deferred task(s) past their timeout")
-    problems += _access_problems(broker_error, management_error, redact)
-    for q in quarantined:
-        q["last_error"] = redact(q["last_error"]) if q["last_error"] else q["last_error"]
-    return {"queues": report_queues, "consumers": consumers, "overdue_tasks": overdue,
-            "quarantined": quarantined, "problems": problems}
-
-
-async def broker_team_queues(settings: Settings) -> tuple[dict[str, BrokerQueue], str | None]:
-    """Every team queue the broker has (management API), or why it could not be listed."""
-    from triggerflow.transport.management import ManagementClient, ManagementUnavailable, vhost_of
-    from triggerflow.transport.rabbitmq import Topology
-
-    try:
-        async with ManagementClient(settings.management_dsn()) as api:
-            found = await api.team_queues(vhost_of(settings.amqp_dsn()),
-                                          Topology(settings.namespace).deferrals)
-    except ManagementUnavailable as exc:
-        return {}, str(exc)
-    return found, None
-
-
-def _access_problems(broker_error: str | None, management_error: str | None,
-                     redact: Redactor) -> list[str]:
-    problems = []
-    if broker_error:
-        problems.append(f"broker unreachable: {broker_error}")
-    if management_error:
-        problems.append(f"broker queue list unavailable: {redact(management_error)}")
-    return problems
-
-
-def broker_columns(queue: BrokerQueue | None, error: str | None) -> dict[str, Any]:
-    """The broker's own numbers for one queue; None when they could not be read."""
-    return {
-        "in_broker": None if error else queue is not None,
-        "broker_ready": queue.ready if queue else None,
-        "broker_unacked": queue.unacked if queue else None,
-        "broker_listed_consumers": queue.consumers if queue else None,
-    }
+# The states ``status --ids`` lists: the keys of store.postgres.admin.TRIGGER_IDS, named here
+# so that --help imports no database code (tests/test_cli.py checks the two agree).
+ID_STATES = ("dead-owner", "quarantined", "running", "unclaimed")
 
 
 def _render_status(report: dict[str, Any]) -> None:
@@ -159,6 +48,7 @@ def _render_status(report: dict[str, Any]) -> None:
                   str(p["running"]), str(p["capacity"]),
                   p["renewed_at"].strftime("%H:%M:%S.%f")[:-3], "yes" if p["alive"] else "NO")
     console.print(c)
+    _render_writers(console, report)
     if report["quarantined"]:
         qt = Table(title="Quarantined triggers")
         for col in ("id", "queue", "class", "failures", "last error"):
@@ -172,6 +62,30 @@ def _render_status(report: dict[str, Any]) -> None:
         console.print(f"[bold red]attention:[/] {p}", markup=True, highlight=False)
     if not report["problems"]:
         console.print("[green]all queues served[/]")
+
+
+def _render_writers(console: Any, report: dict[str, Any]) -> None:
+    """Writers by lease, then the events and dead-letter queues they drain or fill."""
+    from rich.table import Table
+
+    if report["writers"]:
+        w = Table(title="Writers")
+        for col in ("id", "host", "pid", "last renewal", "renewed ago", "alive"):
+            w.add_column(col, no_wrap=True)
+        for p in report["writers"]:
+            w.add_row(str(p["id"]), p["host"], str(p["pid"]),
+                      p["renewed_at"].strftime("%H:%M:%S.%f")[:-3],
+                      f"{p['renewed_ago']:.1f}s", "yes" if p["alive"] else "NO")
+        console.print(w)
+    else:
+        console.print("Writers: none has registered")
+    s = Table(title="Events and dead letters")
+    for col in ("queue", "depth", "unacked", "broker consumers"):
+        s.add_column(col, justify="left" if col == "queue" else "right", no_wrap=True)
+    for q in (report["events"], report["dead_letters"]):
+        s.add_row(q["queue"], _dash(q["depth"]), _dash(q.get("broker_unacked")),
+                  _dash(q["broker_consumers"]))
+    console.print(s)
 
 
 def _dash(value: Any) -> str:
@@ -228,23 +142,38 @@ def register(main: click.Group) -> None:
     @main.command()
     @settings_options(*connection, "queues", "management_url")
     @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-    def status(as_json: bool, **values: Any) -> None:
-        """Queues (depth, unacked, consumers, running), processes, overdue and quarantined
-        triggers. Team queues are listed from the broker (management API) and the database.
+    @click.option("--ids", "ids_in", type=click.Choice(ID_STATES), default=None,
+                  help="Only list the ids of triggers in this state (of the --queue queues, "
+                       "else every queue), one a line, for requeue or unquarantine.")
+    def status(as_json: bool, ids_in: str | None, **values: Any) -> None:
+        """Queues (depth, unacked, consumers, running), processes, writers, the events and
+        dead-letter queues, overdue and quarantined triggers. Team queues are listed from
+        the broker (management API) and the database.
 
         Exit 3 when something needs attention: a team queue in the broker, a queue with
-        triggers, or one named by --queue, with no live consumer; triggers held by dead
-        owners; quarantined triggers; deferred tasks past their timeout; an unreachable
-        broker or management API."""
+        triggers, or one named by --queue, with no live consumer; no live writer; a live
+        consumer well below capacity that is not subscribed on the broker; dead letters;
+        triggers held by dead owners; quarantined triggers; deferred tasks past their
+        timeout; an unreachable broker or management API."""
+        from triggerflow.cli.status_report import collect_status, trigger_ids
         from triggerflow.redact import Redactor
 
         settings = build_settings(values)
         redact = Redactor(settings)
         try:
-            report = asyncio.run(collect_status(settings))
+            if ids_in is not None:
+                rows = asyncio.run(trigger_ids(settings, ids_in, list(settings.queues)))
+            else:
+                report = asyncio.run(collect_status(settings))
         except Exception as exc:
             click.echo(redact(f"error: {exc}"), err=True)
             sys.exit(1)
+        if ids_in is not None:
+            if as_json:
+                click.echo(json.dumps({"state": ids_in, "triggers": rows}, indent=2))
+            elif rows:
+                click.echo("\n".join(str(r["id"]) for r in rows))
+            return
         if as_json:
             click.echo(redact(json.dumps(report, default=json_default, indent=2)))
         else:

@@ -261,8 +261,9 @@ class Store(Protocol):
         ...
 
     async def time_out_orphans(self, queues: Sequence[str] | None,
-                               max_deferral: float) -> list[int]:
-        """Fail deferred tasks past their timeout whose trigger runs nowhere."""
+                               max_deferral: float) -> list[TriggerRef]:
+        """Fail deferred tasks past their timeout whose trigger runs nowhere; their triggers
+        (gone now), with their queues for the timed-out counter."""
         ...
 
     async def waiting_queues(self, grace: float) -> list[str]:

@@ -379,7 +379,7 @@ class MemoryStore:
         return [TriggerRef(t.id, t.queue) for t in due]
 
     async def time_out_orphans(self, queues: Sequence[str] | None,
-                               max_deferral: float) -> list[int]:
+                               max_deferral: float) -> list[TriggerRef]:
         now = self.clock()
         gone = []
         for task in self.tasks.values():
@@ -396,7 +396,7 @@ class MemoryStore:
                                 "message": "deferral timed out with no trigger running"}
             if task.trigger_id is not None:
                 self.triggers.pop(task.trigger_id, None)
-                gone.append(task.trigger_id)
+                gone.append(TriggerRef(task.trigger_id, task.queue))
             task.trigger_id = task.trigger_timeout = None
             task.updated_at = now
         return gone

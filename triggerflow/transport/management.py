@@ -8,11 +8,15 @@ deferrals exchange.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote, unquote, urlsplit, urlunsplit
 
 import httpx
+
+# A writer polls the API: its requests are not news at INFO.
+logging.getLogger("httpx").setLevel(logging.WARNING)
 
 DEFAULT_PORT = 15672
 TIMEOUT = 5.0
@@ -90,10 +94,12 @@ class ManagementClient:
             f"exchanges/{v}/{quote(deferrals_exchange, safe='')}/bindings/source")
         names = {b["destination"] for b in bindings or []
                  if b.get("destination_type") == "queue"}
-        if not names:
-            return {}
+        return await self.queues(vhost, names) if names else {}
+
+    async def queues(self, vhost: str, names: set[str]) -> dict[str, BrokerQueue]:
+        """The broker's numbers for those of ``names`` that exist."""
         rows = await self._get(
-            f"queues/{v}",
+            f"queues/{quote(vhost, safe='')}",
             columns="name,messages_ready,messages_unacknowledged,consumers")
         return {
             r["name"]: BrokerQueue(r["name"], int(r.get("messages_ready") or 0),
@@ -102,3 +108,18 @@ class ManagementClient:
             for r in rows or []
             if r["name"] in names
         }
+
+    async def subscriptions(self, vhost: str) -> set[tuple[str, str]]:
+        """(queue, the subscribing connection's client-provided name) for every consumer on
+        the vhost; a connection that gave no name is listed by the broker's own name."""
+        v = quote(vhost, safe="")
+        connections = await self._get(f"vhosts/{v}/connections",
+                                      columns="name,user_provided_name")
+        named = {c["name"]: c.get("user_provided_name") or c["name"]
+                 for c in connections or []}
+        consumers = await self._get(f"consumers/{v}")
+        found = set()
+        for c in consumers or []:
+            connection = (c.get("channel_details") or {}).get("connection_name", "")
+            found.add((c["queue"]["name"], named.get(connection, connection)))
+        return found

@@ -4,7 +4,8 @@ the reference host (the demo's resumer). Not on any hot path of the loops.
 
 STATUS_CONSUMERS = """
 SELECT id, kind, host, pid, queues, capacity, running, version, started_at, renewed_at,
-       expires_at, expires_at > now() AS alive, cardinality(probation) AS on_probation
+       expires_at, expires_at > now() AS alive, cardinality(probation) AS on_probation,
+       extract(epoch FROM now() - started_at)::float8 AS started_ago
 FROM consumer ORDER BY kind, id
 """
 
@@ -120,7 +121,50 @@ UNION
 SELECT unnest(queues) FROM consumer WHERE kind = 'consumer'
 """
 
-LIVE_WRITERS = "SELECT count(*) FROM consumer WHERE kind = 'writer' AND expires_at > now()"
+# One statement per gauge poll, per queue: live consumers by lease; those of them the broker
+# should be delivering to (well below capacity: a consumer pauses its subscription at
+# capacity and resumes under 90%; registered more than $2 seconds ago: it subscribes just
+# after registering); deferred tasks more than 10 s past their timeout (the reaper fails
+# them 2 s after it: any left mean no reaper covers the queue); and live writers, once
+# (a row with a NULL queue when $1 is empty).
+QUEUE_GAUGES = """
+WITH w AS (SELECT count(*) AS writers FROM consumer WHERE kind = 'writer' AND expires_at > now())
+SELECT q.queue, w.writers,
+       (SELECT count(*) FROM consumer c
+        WHERE c.kind = 'consumer' AND c.expires_at > now() AND q.queue = ANY(c.queues))
+           AS consumers,
+       (SELECT count(*) FROM consumer c
+        WHERE c.kind = 'consumer' AND c.expires_at > now() AND q.queue = ANY(c.queues)
+          AND c.running < c.capacity * 0.9
+          AND c.started_at < now() - make_interval(secs => $2)) AS expected,
+       (SELECT count(*) FROM task_instance ti
+        WHERE ti.state = 'deferred' AND ti.trigger_timeout < now() - interval '10 seconds'
+          AND ti.queue = q.queue) AS overdue
+FROM w LEFT JOIN unnest($1::text[]) AS q(queue) ON true
+"""
+
+# Writers by lease, newest first: what ``status`` lists and how long ago each renewed.
+STATUS_WRITERS = """
+SELECT id, host, pid, version, started_at, renewed_at, expires_at > now() AS alive,
+       extract(epoch FROM now() - renewed_at)::float8 AS renewed_ago
+FROM consumer WHERE kind = 'writer' ORDER BY renewed_at DESC
+"""
+
+# Trigger ids in one state, for ``requeue`` / ``unquarantine``.
+TRIGGER_IDS = {
+    "quarantined": "quarantined_at IS NOT NULL",
+    "unclaimed": "owner_id IS NULL AND quarantined_at IS NULL",
+    "dead-owner": ("owner_id IS NOT NULL AND NOT EXISTS (SELECT 1 FROM consumer c "
+                   "WHERE c.id = owner_id AND c.expires_at > now())"),
+    "running": ("owner_id IS NOT NULL AND EXISTS (SELECT 1 FROM consumer c "
+                "WHERE c.id = owner_id AND c.expires_at > now())"),
+}
+
+
+def trigger_ids(state: str) -> str:
+    """The statement listing ids in ``state`` ($1 = queues, or NULL for every queue)."""
+    return (f"SELECT id, queue FROM trigger WHERE ({TRIGGER_IDS[state]}) "
+            "AND ($1::text[] IS NULL OR queue = ANY($1::text[])) ORDER BY id")
 
 # The reference resumer takes scheduled task instances, as a scheduler would hand them to
 # workers: SKIP LOCKED so several resumers can share the work.

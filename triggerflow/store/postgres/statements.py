@@ -460,7 +460,7 @@ WITH due AS (
     FROM due WHERE ti.id = due.id AND ti.id = ANY(ARRAY(SELECT id FROM due))
     RETURNING due.trigger_id
 )
-DELETE FROM trigger WHERE id IN (SELECT trigger_id FROM failed) RETURNING id
+DELETE FROM trigger WHERE id IN (SELECT trigger_id FROM failed) RETURNING id, queue
 """
 
 # Queues with triggers waiting past the grace period (the writer's reaper checks them all).

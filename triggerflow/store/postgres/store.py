@@ -264,9 +264,9 @@ class PostgresStore:
         return [TriggerRef(r["id"], r["queue"]) for r in rows]
 
     async def time_out_orphans(self, queues: Sequence[str] | None,
-                               max_deferral: float) -> list[int]:
-        return [r["id"] for r in await self._fetch(sql.TIMEOUT_ORPHANS, *_scope(queues),
-                                                   max_deferral)]
+                               max_deferral: float) -> list[TriggerRef]:
+        return [TriggerRef(r["id"], r["queue"])
+                for r in await self._fetch(sql.TIMEOUT_ORPHANS, *_scope(queues), max_deferral)]
 
     async def waiting_queues(self, grace: float) -> list[str]:
         return [r["queue"] for r in await self._fetch(sql.WAITING_QUEUES, grace)]

@@ -1,0 +1,223 @@
+"""What ``triggerflow status`` finds: team queues, the events and dead-letter queues, writers,
+consumers, overdue and quarantined triggers, and the problems among them (exit 3)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from triggerflow.redact import Redactor
+from triggerflow.settings import Settings
+from triggerflow.transport import QueueInfo
+
+
+async def collect_status(settings: Settings) -> dict[str, Any]:
+    """Queues, processes, overdue and quarantined triggers, and the problems among them."""
+    from triggerflow.store.postgres.admin import (
+        QUARANTINED,
+        STATUS_CONSUMERS,
+        STATUS_OVERDUE,
+        STATUS_QUEUES,
+        STATUS_WRITERS,
+    )
+    from triggerflow.transport.rabbitmq import Topology
+    from triggerflow.wiring import admin_database
+
+    redact = Redactor(settings)
+    topology = Topology(settings.namespace)
+    db = await admin_database(settings)
+    try:
+        process_rows: list[Any] = await db.fetch(STATUS_CONSUMERS)
+        writer_rows: list[Any] = await db.fetch(STATUS_WRITERS)
+        queue_rows: list[Any] = await db.fetch(STATUS_QUEUES)
+        overdue = await db.fetchval(STATUS_OVERDUE)
+        quarantine_rows: list[Any] = await db.fetch(QUARANTINED)
+    finally:
+        await db.close()
+    consumers = [dict(r) for r in process_rows]
+    queues = {r["queue"]: dict(r) for r in queue_rows}
+    quarantined = [dict(r) for r in quarantine_rows]
+    names = set(queues) | set(settings.queues)
+    for c in consumers:
+        names.update(c["queues"])
+    shared = [topology.events_queue, topology.dead_queue]
+    listed, subscribed, management_error = await broker_view(settings, shared)
+    names.update(n for n in listed if n not in shared)
+    broker_info, broker_error = await amqp_queue_info(settings, sorted(names) + shared)
+    report_queues = []
+    problems: list[str] = []
+    for name in sorted(names):
+        live = [c for c in consumers if c["alive"] and c["kind"] == "consumer"
+                and name in c["queues"]]
+        row = queues.get(name, {})
+        info = broker_info.get(name)
+        entry = {
+            "queue": name,
+            "depth": info[0] if info else None,
+            "broker_consumers": info[1] if info else None,
+            "consumers": len(live),
+            "running": row.get("owned", 0) - row.get("dead_owner", 0),
+            "triggers": row.get("triggers", 0),
+            "unclaimed": row.get("unclaimed", 0),
+            "quarantined": row.get("quarantined", 0),
+            "dead_owner": row.get("dead_owner", 0),
+            **broker_columns(listed.get(name), management_error),
+        }
+        report_queues.append(entry)
+        if not live and (entry["triggers"] or name in settings.queues or name in listed):
+            problems.append(f"queue {name} has no live consumer")
+        if entry["dead_owner"]:
+            problems.append(f"queue {name}: {entry['dead_owner']} triggers held by dead owners")
+        if info is None and not broker_error:
+            problems.append(f"queue {name} does not exist on the broker")
+    writers = [dict(r) for r in writer_rows]
+    events = shared_queue(topology.events_queue, broker_info.get(topology.events_queue),
+                          listed, management_error)
+    dead = shared_queue(topology.dead_queue, broker_info.get(topology.dead_queue),
+                        listed, management_error)
+    problems += writer_problems(writers, events)
+    if dead["depth"]:
+        problems.append(f"{dead['depth']} dead-lettered message(s) in {dead['queue']}")
+    unsubscribed = not_subscribed(consumers, subscribed, broker_info,
+                                  settings.lease_ttl.total_seconds())
+    problems += [u["problem"] for u in unsubscribed]
+    if quarantined:
+        problems.append(f"{len(quarantined)} quarantined trigger(s)")
+    if overdue:
+        problems.append(f"{overdue} deferred task(s) past their timeout")
+    problems += _access_problems(broker_error, management_error, redact)
+    for q in quarantined:
+        q["last_error"] = redact(q["last_error"]) if q["last_error"] else q["last_error"]
+    return {"queues": report_queues, "events": events, "dead_letters": dead,
+            "writers": writers, "consumers": consumers, "not_subscribed": unsubscribed,
+            "overdue_tasks": overdue, "quarantined": quarantined, "problems": problems}
+
+
+async def broker_view(
+    settings: Settings, shared: list[str],
+) -> tuple[dict[str, Any], set[tuple[str, str]] | None, str | None]:
+    """From the management API: every team queue (bound to the deferrals exchange) and the
+    shared queues by name, the (queue, connection name) subscriptions, or why it could not."""
+    from triggerflow.transport.management import (
+        ManagementClient,
+        ManagementUnavailable,
+        vhost_of,
+    )
+    from triggerflow.transport.rabbitmq import Topology
+
+    vhost = vhost_of(settings.amqp_dsn())
+    try:
+        async with ManagementClient(settings.management_dsn()) as api:
+            found: dict[str, Any] = dict(await api.team_queues(
+                vhost, Topology(settings.namespace).deferrals))
+            found.update(await api.queues(vhost, set(shared)))
+            subscribed = await api.subscriptions(vhost)
+    except ManagementUnavailable as exc:
+        return {}, None, str(exc)
+    return found, subscribed, None
+
+
+async def amqp_queue_info(settings: Settings,
+                          names: list[str]) -> tuple[dict[str, QueueInfo | None], str | None]:
+    """Exact depth and consumer count of each queue by passive declare, or why not."""
+    from triggerflow.wiring import rabbit_transport
+
+    info: dict[str, QueueInfo | None] = {}
+    try:
+        broker = rabbit_transport(settings, name="triggerflow-status")
+        await broker.connect()
+        try:
+            for name in names:
+                info[name] = await broker.queue_info(name)
+        finally:
+            await broker.close()
+    except Exception as exc:
+        return info, Redactor(settings)(str(exc) or type(exc).__name__)
+    return info, None
+
+
+def shared_queue(name: str, info: QueueInfo | None, listed: dict[str, Any],
+                 management_error: str | None) -> dict[str, Any]:
+    return {"queue": name, "depth": info[0] if info else None,
+            "broker_consumers": info[1] if info else None,
+            **broker_columns(listed.get(name), management_error)}
+
+
+def writer_problems(writers: list[dict[str, Any]], events: dict[str, Any]) -> list[str]:
+    """No live writer: nothing applies events, every fired trigger's task stays deferred."""
+    if any(w["alive"] for w in writers):
+        return []
+    waiting = f"{events['depth']} event message(s) waiting in {events['queue']}" \
+        if events["depth"] is not None else f"events in {events['queue']} are not applied"
+    if not writers:
+        return [f"no live writer (none has registered): {waiting}"]
+    last = writers[0]
+    return [f"no live writer: {waiting}; the last, writer {last['id']} on {last['host']} "
+            f"(pid {last['pid']}), renewed {last['renewed_ago']:.0f}s ago"]
+
+
+def not_subscribed(consumers: list[dict[str, Any]], subscribed: set[tuple[str, str]] | None,
+                   broker_info: dict[str, QueueInfo | None], grace: float) -> list[dict[str, Any]]:
+    """Live consumers well below capacity, registered more than ``grace`` seconds ago, that
+    the broker does not deliver one of their queues to (a consumer pauses its subscriptions
+    only at capacity). A queue counts when the broker's exact consumer count (AMQP) is short
+    of those consumers; the management API then names which, by the connection name each
+    consumer gives the broker (``…@host:pid``); its lists lag by a statistics interval, so
+    they only name, never decide."""
+    from triggerflow.wiring import CONSUMER_CONNECTION
+
+    expected = [c for c in consumers if c["alive"] and c["kind"] == "consumer"
+                and c["running"] < 0.9 * c["capacity"] and c["started_ago"] > grace]
+    by = {(queue, name.rpartition("@")[2]) for queue, name in subscribed or ()
+          if name.startswith(CONSUMER_CONNECTION)}
+    found: list[dict[str, Any]] = []
+    for queue in sorted({q for c in expected for q in c["queues"]}):
+        mine = [c for c in expected if queue in c["queues"]]
+        info = broker_info.get(queue)
+        if info is None or info[1] >= len(mine):
+            continue
+        missing = [c for c in mine if (queue, f"{c['host']}:{c['pid']}") not in by]
+        if subscribed is None or not missing:
+            found.append({"queue": queue, "consumer_id": None, "host": None, "pid": None,
+                          "problem": (f"queue {queue}: {len(mine)} consumer(s) hold a lease "
+                                      f"below capacity but {info[1]} are subscribed on the "
+                                      "broker")})
+            continue
+        found += [{"queue": queue, "consumer_id": c["id"], "host": c["host"], "pid": c["pid"],
+                   "problem": (f"consumer {c['id']} on {c['host']} (pid {c['pid']}) holds a "
+                               f"lease on {queue} but is not subscribed on the broker")}
+                  for c in missing]
+    return found
+
+
+def _access_problems(broker_error: str | None, management_error: str | None,
+                     redact: Redactor) -> list[str]:
+    problems = []
+    if broker_error:
+        problems.append(f"broker unreachable: {broker_error}")
+    if management_error:
+        problems.append(f"broker queue list unavailable: {redact(management_error)}")
+    return problems
+
+
+def broker_columns(queue: Any, error: str | None) -> dict[str, Any]:
+    """The broker's own numbers for one queue (a management API ``BrokerQueue``); None when
+    they could not be read."""
+    return {
+        "in_broker": None if error else queue is not None,
+        "broker_ready": queue.ready if queue else None,
+        "broker_unacked": queue.unacked if queue else None,
+        "broker_listed_consumers": queue.consumers if queue else None,
+    }
+
+
+async def trigger_ids(settings: Settings, state: str, queues: list[str]) -> list[dict[str, Any]]:
+    """[{id, queue}] of the triggers in ``state`` on ``queues`` (all queues when empty)."""
+    from triggerflow.store.postgres.admin import trigger_ids as statement
+    from triggerflow.wiring import admin_database
+
+    db = await admin_database(settings)
+    try:
+        rows: list[Any] = await db.fetch(statement(state), queues or None)
+    finally:
+        await db.close()
+    return [dict(r) for r in rows]
