@@ -173,6 +173,7 @@ async def delete_topology(amqp_dsn: str, topo: Topology, queues: list[str]) -> N
     try:
         deletions = [("queue_delete", q) for q in (*queues, topo.events_queue, topo.dead_queue)]
         deletions += [("exchange_delete", x) for x in topo.exchanges()]
+        deletions += [("exchange_delete", x) for q in queues for x in topo.team_exchanges(q)]
         for method, name in deletions:
             ch = await conn.channel()
             with contextlib.suppress(Exception):

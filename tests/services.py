@@ -213,7 +213,9 @@ class RabbitNode:
             "# management API numbers refresh each second, not every 5 (status tests read them)\n"
             "collect_statistics_interval = 1000\n"
             "# the suite fills its own disk less than the machine's default alarm fears\n"
-            "disk_free_limit.absolute = 50MB\n")
+            "disk_free_limit.absolute = 50MB\n"
+            "# as the shipped brokers/rabbitmq/rabbitmq.conf (triggerflow.wire.MAX_MESSAGE_BYTES)\n"
+            "max_message_size = 4194304\n")
         (self.root / "enabled_plugins").write_text("[rabbitmq_management].\n")
         (self.root / "rabbitmq-env.conf").write_text("ERL_EPMD_ADDRESS=127.0.0.1\n")
         (self.root / "nodename").write_text(self.nodename)

@@ -69,7 +69,7 @@ async def test_garbage_wrong_version_unknown_and_disallowed_classes(
     bad_kwargs = await insert_trigger(db, "tests.triggers.EventAfter", '[1, 2]', q, 4)
     broker = RabbitTransport(settings.amqp_dsn(), Topology(settings.namespace))
     await broker.connect()
-    ex = broker.topology.deferrals
+    ex = broker.topology.deferrals_of(q)
     await broker.publish(ex, q, b"\x00\xffnot json at all")
     await broker.publish(ex, q, json.dumps({"v": 99, "ids": [1]}).encode())
     await broker.publish(ex, q, json.dumps({"v": 2, "ids": [unknown, disallowed]}).encode())

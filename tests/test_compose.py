@@ -21,6 +21,8 @@ import jsonschema
 import pytest
 import yaml
 
+from triggerflow.transport.topology import Topology
+
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE_SCHEMA = Path(__file__).resolve().parents[2] / "shared" / "schemas" / "compose-spec.json"
 COMPOSE: dict[str, Any] = yaml.safe_load((ROOT / "compose.yaml").read_text())
@@ -150,9 +152,31 @@ def test_consumer_user_may_read_and_publish_for_its_queues(service: str) -> None
     for queue in queues:
         assert queue in TEAM_QUEUES
         assert re.match(read, queue), f"{user} may not consume {queue}"
-        for exchange in (f"{NAMESPACE}.deferrals", f"{NAMESPACE}.events"):
-            pattern = topic_write.get(exchange, ".*")
-            assert re.match(pattern, queue), f"{user} may not publish {queue} to {exchange}"
+        write = _user_permissions(user, vhost)["write"]
+        topology = Topology(namespace=NAMESPACE)
+        for exchange in (topology.deferrals_of(queue), topology.control_of(queue)):
+            assert re.match(write, exchange), f"{user} may not publish to {exchange}"
+        for exchange in (topology.events, topology.dead):
+            assert re.match(write, exchange), f"{user} may not publish to {exchange}"
+            assert re.match(topic_write[exchange], queue), f"{user} may not publish {queue} to {exchange}"
+        assert re.match(read, topology.control_of(queue)), f"{user} may not bind its control queue"
+
+
+def test_team_users_reach_no_other_teams_exchanges() -> None:
+    """A team user writes and binds only its own queue's exchanges: CC/BCC headers route only
+    among the queues bound to the exchange published to (docs/security.md, attack 7)."""
+    topology = Topology(namespace=NAMESPACE)
+    users = {p["user"]: p for p in DEFINITIONS["permissions"] if p["user"] != "triggerflow-admin"}
+    assert users
+    for user, perms in users.items():
+        for other in TEAM_QUEUES:
+            if re.match(perms["read"], other):
+                continue  # its own queue
+            for exchange in (topology.deferrals_of(other), topology.control_of(other)):
+                assert not re.match(perms["write"], exchange), (user, exchange)
+                assert not re.match(perms["read"], exchange), (user, exchange)
+        for shared in (topology.deferrals, topology.control, topology.events, topology.dead):
+            assert not re.match(perms["read"], shared), (user, shared)
 
 
 def test_writer_knows_each_consumers_user() -> None:
@@ -169,8 +193,11 @@ def test_writer_knows_each_consumers_user() -> None:
 
 def test_team_queues_are_bound_by_their_name() -> None:
     bindings = {(b["source"], b["destination"], b["routing_key"]) for b in DEFINITIONS["bindings"]}
+    topology = Topology(namespace=NAMESPACE)
     for queue in TEAM_QUEUES:
-        assert (f"{NAMESPACE}.deferrals", queue, queue) in bindings
+        assert (topology.deferrals_of(queue), queue, queue) in bindings
+        assert [b for b in bindings if b[0] == topology.deferrals_of(queue)] == [
+            (topology.deferrals_of(queue), queue, queue)]
     queues = {q["name"] for q in DEFINITIONS["queues"]}
     exchanges = {e["name"] for e in DEFINITIONS["exchanges"]}
     for source, destination, _ in bindings:
@@ -178,8 +205,6 @@ def test_team_queues_are_bound_by_their_name() -> None:
 
 
 def test_queue_arguments_match_topology() -> None:
-    from triggerflow.transport.rabbitmq import Topology
-
     expected = Topology(namespace=NAMESPACE).queue_arguments(delivery_limit=DELIVERY_LIMIT)
     arguments = {q["name"]: q["arguments"] for q in DEFINITIONS["queues"]}
     for queue in [*TEAM_QUEUES, f"{NAMESPACE}.events"]:
@@ -187,10 +212,21 @@ def test_queue_arguments_match_topology() -> None:
 
 
 def test_exchanges_match_topology() -> None:
-    from triggerflow.transport.rabbitmq import Topology
-
     declared = {e["name"]: e["type"] for e in DEFINITIONS["exchanges"]}
-    assert declared == Topology(namespace=NAMESPACE).exchanges()
+    topology = Topology(namespace=NAMESPACE)
+    expected = dict(topology.exchanges())
+    for queue in TEAM_QUEUES:
+        expected.update(topology.team_exchanges(queue))
+    assert declared == expected
+
+
+def test_policies_match_topology() -> None:
+    """The length limits ``topology apply`` sets are the ones the definitions load."""
+    topology = Topology(namespace=NAMESPACE)
+    loaded = {p["name"]: {k: p[k] for k in ("pattern", "apply-to", "priority", "definition")}
+              for p in DEFINITIONS["policies"]}
+    expected = dict([topology.dead_policy(), *map(topology.limits_policy, TEAM_QUEUES)])
+    assert loaded == expected
 
 
 def test_cluster_profile_adds_two_members_that_join_the_first_node() -> None:

@@ -153,7 +153,7 @@ async def test_every_dashboard_and_alert_series_is_exported(
         datetime.now(UTC) + timedelta(hours=1)), queue=orphaned, timeout=1)
     broker = RabbitTransport(settings.amqp_dsn(), topology, name="test-garbage")
     await broker.connect()
-    await broker.publish(topology.deferrals, served, b"\x00 not a wake-up")
+    await broker.publish(topology.deferrals_of(served), served, b"\x00 not a wake-up")
     await broker.close()
     await wait_until(lambda: db.fetchval(
         "SELECT count(*) = 7 FROM task_instance WHERE state = 'scheduled'"), 20,

@@ -177,7 +177,7 @@ async def test_forged_cancel_is_ignored_and_squatted_control_names_change_nothin
     conn = await aio_pika.connect(settings.amqp_dsn())
     try:
         ch = await conn.channel()
-        control = await ch.get_exchange(topo.control)
+        control = await ch.get_exchange(topo.control_of(teams[0]))
         for i in range(1, 6):  # the ids the first consumers of this database get
             squat = await ch.declare_queue(f"{topo.control}.{i}", durable=True)
             await squat.bind(control, str(i))
@@ -237,8 +237,8 @@ async def test_shipped_team_permissions_let_a_consumer_take_only_a_server_named_
             got.append(delivery.body)
             await delivery.ack()
 
-        await team.subscribe_control(7, on_control, prefetch=10)
-        await admin.publish_control(7, "cancel", [1])
+        await team.subscribe_control(7, on_control, prefetch=10, queues=["team-ml"])
+        await admin.publish_control(7, "cancel", [1], queue="team-ml")
         await wait_until(lambda: asyncio.sleep(0, got), 5, message="control message received")
         for squat in ("triggerflow.control.8", "amq.gen-squat"):
             conn = await aio_pika.connect(str(base.with_path("/" + vhost).with_user(user)
@@ -258,13 +258,14 @@ async def test_shipped_team_permissions_let_a_consumer_take_only_a_server_named_
 
 @contextlib.contextmanager
 def team_user(services: SuiteServices, namespace: str, queue: str) -> Iterator[str]:
-    """A user on the suite's node that may defer only into ``queue``; yields its AMQP URL."""
+    """A user on the suite's node that may defer only into ``queue`` (write on its deferral
+    exchange only); yields its AMQP URL."""
     node = services.rabbit()
     user = f"tfiso-{uuid.uuid4().hex[:8]}"
     node.ctl("add_user", user, user)
     try:
-        node.ctl("set_permissions", user, ".*", ".*", ".*")
-        node.ctl("set_topic_permissions", user, f"{namespace}.deferrals", f"^{queue}$", f"^{queue}$")
+        node.ctl("set_permissions", user, ".*",
+                 rf"^({namespace}\.deferrals\.{queue}|{namespace}\.(events|dead|control\..*))$", ".*")
         yield str(URL(services.amqp).with_user(user).with_password(user))
     finally:
         node.ctl("delete_user", user)

@@ -505,7 +505,7 @@ async def test_control_cancel_stops_only_what_the_store_confirms(mem: InMemory) 
         await until(lambda: tid in consumer.runner.running)
         intruder = mem.transport(user="team-b-user")
         await intruder.connect()
-        await intruder.publish_control(consumer.me, "cancel", [tid])
+        await intruder.publish_control(consumer.me, "cancel", [tid], queue=QUEUE)
         await asyncio.sleep(0.3)
         assert tid in consumer.runner.running and tid in mem.store.triggers
         assert await client.cancel([tid]) == 1

@@ -38,7 +38,7 @@ async def broker_only_queue(settings: Settings, topology: Topology) -> AsyncIter
     conn = await aio_pika.connect(settings.amqp_dsn())
     try:
         ch = await conn.channel()
-        exchange = await ch.get_exchange(topology.deferrals)
+        exchange = await ch.get_exchange(topology.deferrals_of(name))
         await exchange.publish(aio_pika.Message(b"{}"), routing_key=name)
         yield name
         await ch.queue_delete(name)

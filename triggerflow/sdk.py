@@ -285,15 +285,18 @@ class TriggerflowClient:
         Raises :class:`~triggerflow.store.StoreError` when the store write fails."""
         store, transport = await self._connect()
         cancelled = await store.cancel(trigger_ids, state)
-        by_owner: dict[int, list[int]] = defaultdict(list)
+        by_owner: dict[tuple[int, str], list[int]] = defaultdict(list)
         for c in cancelled:
             if c.owner is not None:
-                by_owner[c.owner].append(c.id)
-        for owner, ids in by_owner.items():
+                by_owner[c.owner, c.queue].append(c.id)
+        for (owner, queue), ids in by_owner.items():
             try:
-                await transport.publish_control(owner, "cancel", ids)
-            except TransportUnavailable:
-                log.warning("control message to consumer %s failed; its sweep will cancel", owner)
+                await transport.publish_control(owner, "cancel", ids, queue=queue)
+            except (TransportUnavailable, Unroutable, PublishRefused) as exc:
+                # Unroutable: no control exchange for the queue (topology not applied since
+                # the upgrade); the broker closed the channel, the next call reconnects.
+                log.warning("control message to consumer %s failed (%r); its sweep will cancel",
+                            owner, exc)
         return sum(1 for c in cancelled if c.moved)
 
 

@@ -16,7 +16,16 @@ ACCEPTED_VERSIONS = frozenset({SCHEMA_VERSION, SCHEMA_VERSION - 1})
 
 HEADER_TRACEPARENT = "traceparent"
 HEADER_REASON = "x-triggerflow-reason"
+HEADER_TRUNCATED = "x-triggerflow-truncated"  # a dead letter's original size, when cut
 CONTENT_TYPE = "application/json"
+
+# Size bounds at the edge. The broker refuses bigger messages of anyone
+# (``max_message_size`` in brokers/rabbitmq/rabbitmq.conf is MAX_MESSAGE_BYTES); readers check
+# again before decoding, so a broker configured otherwise still cannot make a consumer decode
+# 41 MB of ids. Wake-ups and control messages carry at most MAX_IDS ids (about 20 bytes each).
+MAX_MESSAGE_BYTES = 4 << 20
+MAX_IDS = 10_000
+MAX_ID_MESSAGE_BYTES = 256 << 10
 
 
 class WireError(ValueError):
@@ -70,8 +79,12 @@ _control_decoder = msgspec.json.Decoder(Control)
 _Versioned = TypeVar("_Versioned", Wakeup, EventBatch, Control)
 
 
-def _decode(decoder: msgspec.json.Decoder[_Versioned], body: bytes, what: str) -> _Versioned:
-    """Decode and check the schema version; any failure is a WireError naming ``what``."""
+def _decode(decoder: msgspec.json.Decoder[_Versioned], body: bytes, what: str,
+            max_bytes: int) -> _Versioned:
+    """Decode and check the schema version; any failure is a WireError naming ``what``.
+    A body over ``max_bytes`` is refused before any of it is decoded."""
+    if len(body) > max_bytes:
+        raise WireError(f"oversized {what}: {len(body)} bytes, over the {max_bytes}-byte bound")
     try:
         msg = decoder.decode(body)
     except (msgspec.DecodeError, UnicodeDecodeError) as exc:
@@ -87,12 +100,14 @@ def encode_wakeup(ids: list[int]) -> bytes:
 
 
 def decode_wakeup(body: bytes) -> list[int]:
-    msg = _decode(_wakeup_decoder, body, "wake-up")
+    msg = _decode(_wakeup_decoder, body, "wake-up", MAX_ID_MESSAGE_BYTES)
     ids = list(msg.ids)
     if msg.id is not None:
         ids.append(msg.id)
     if not ids:
         raise WireError("wake-up names no trigger")
+    if len(ids) > MAX_IDS:
+        raise WireError(f"oversized wake-up: {len(ids)} ids, over the {MAX_IDS}-id bound")
     return ids
 
 
@@ -101,7 +116,7 @@ def encode_events(events: list[Event]) -> bytes:
 
 
 def decode_events(body: bytes) -> list[Event]:
-    events = _decode(_batch_decoder, body, "event batch").events
+    events = _decode(_batch_decoder, body, "event batch", MAX_MESSAGE_BYTES).events
     # One set per batch, not a __post_init__ per event: that Python call ran for every event
     # a consumer built and a writer decoded.
     kinds = {ev.kind for ev in events}
@@ -118,7 +133,7 @@ def encode_control(op: str, ids: list[int]) -> bytes:
 
 
 def decode_control(body: bytes) -> Control:
-    return _decode(_control_decoder, body, "control message")
+    return _decode(_control_decoder, body, "control message", MAX_ID_MESSAGE_BYTES)
 
 
 def encode_json(value: Any) -> str:

@@ -46,7 +46,11 @@ def make_transport(settings: Settings, *, name: str) -> Transport:
 def rabbit_transport(settings: Settings, *, name: str) -> RabbitTransport:
     from triggerflow.transport.rabbitmq import RabbitTransport, Topology
 
-    return RabbitTransport(settings.amqp_dsn(), Topology(settings.namespace), name=name)
+    # Only a URL given explicitly: ``declare`` must not fail on a guessed one (no plugin, or
+    # another port); without one it warns that the queue limits are not set.
+    management = settings.management_url
+    return RabbitTransport(settings.amqp_dsn(), Topology(settings.namespace), name=name,
+                           management_url=management.get_secret_value() if management else None)
 
 
 CONSUMER_CONNECTION = "triggerflow-consumer:"

@@ -234,7 +234,8 @@ class Bench:
                 await ch.queue_delete(queue)
             if not ch.is_closed:
                 await ch.close()
-        for exchange in t.exchanges():
+        for exchange in [*t.exchanges(), *t.team_exchanges(self.queue),
+                         *t.team_exchanges(self.idle_queue)]:
             ch = await self.broker.connection.channel()
             with contextlib.suppress(Exception):
                 await ch.exchange_delete(exchange)

@@ -155,12 +155,14 @@ class NewDeferral:
 
 @dataclass(frozen=True, slots=True)
 class Cancelled:
-    """A cancelled trigger: ``owner`` still runs it (send it a control message), ``moved``
-    when its task left ``deferred`` because of this call."""
+    """A cancelled trigger: ``owner`` still runs it (send it a control message, on the
+    control exchange of ``queue``), ``moved`` when its task left ``deferred`` because of
+    this call."""
 
     id: int
     owner: int | None
     moved: bool
+    queue: str = ""
 
 
 @dataclass(frozen=True, slots=True)

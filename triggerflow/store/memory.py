@@ -451,7 +451,7 @@ class MemoryStore:
                 continue
             if t.owner is None or not self._alive(t.owner):
                 del self.triggers[trigger_id]
-                out.append(Cancelled(trigger_id, None, moved))
+                out.append(Cancelled(trigger_id, None, moved, t.queue))
             else:
-                out.append(Cancelled(trigger_id, t.owner, moved))
+                out.append(Cancelled(trigger_id, t.owner, moved, t.queue))
         return out

@@ -42,6 +42,15 @@ class PublishRefused(TransportError, RuntimeError):
     """The broker refused a publish for this user (topic or write permission)."""
 
 
+class QueueFull(PublishRefused):
+    """The queue is at its length limit (reject-publish): the broker nacked the publish."""
+
+
+class SubscribeRefused(TransportError, RuntimeError):
+    """This user may not read the queue (or bind to its control exchange): retrying cannot
+    help, so the caller stops with this message instead of reconnecting."""
+
+
 class Delivery(Protocol):
     """One received message. Ack or reject it exactly once."""
 
@@ -111,8 +120,9 @@ class Transport(Protocol):
         ...
 
     async def subscribe_control(self, consumer_id: int, handler: DeliveryHandler, *,
-                                prefetch: int) -> str:
-        """Consume the control messages addressed to ``consumer_id`` (a private queue)."""
+                                prefetch: int, queues: Sequence[str]) -> str:
+        """Consume the control messages addressed to ``consumer_id`` about ``queues`` (a
+        private queue bound to each queue's control exchange)."""
         ...
 
     async def unsubscribe(self, tag: str) -> None:
@@ -135,10 +145,14 @@ class Transport(Protocol):
         """Fired events of one queue, in one message stamped with this connection's user."""
         ...
 
-    async def publish_control(self, consumer_id: int, op: str, ids: Sequence[int]) -> None:
-        """A control message (``op`` = "cancel") to one consumer; dropped if it is gone."""
+    async def publish_control(self, consumer_id: int, op: str, ids: Sequence[int], *,
+                              queue: str) -> None:
+        """A control message (``op`` = "cancel") about ``queue``'s triggers to one consumer;
+        dropped if it is gone."""
         ...
 
     async def dead_letter(self, body: bytes, reason: str, *, source: str) -> None:
-        """Park an unusable message on the dead-letter exchange with a readable reason."""
+        """Park an unusable message on the dead-letter exchange with a readable reason,
+        under key ``source`` (a team user may use only its own queue's) and stamped with
+        this connection's user."""
         ...

@@ -1,9 +1,11 @@
-"""The broker's own view of the team queues, read from the RabbitMQ management HTTP API.
+"""The broker's own view of the team queues, read from the RabbitMQ management HTTP API,
+and the one thing AMQP cannot declare: policies (the team queues' length limits).
 
 AMQP can only ask about a queue by name; the management API lists what exists, so a team
 queue that the database has never heard of (declared, bound, and consumed by nobody) still
-shows up in ``triggerflow status``. A team queue is any queue bound to the namespace's
-deferrals exchange.
+shows up in ``triggerflow status``. A team queue is any queue bound to one of the
+namespace's deferral exchanges (``<ns>.deferrals.<queue>``, or the shared ``<ns>.deferrals``
+of older versions).
 """
 
 from __future__ import annotations
@@ -70,30 +72,40 @@ class ManagementClient:
     async def __aexit__(self, *exc: object) -> None:
         await self._client.aclose()
 
-    async def _get(self, path: str, **params: str) -> Any:
-        url = f"{self.base}/api/{path}"
+    async def _call(self, method: str, path: str, ok: tuple[int, ...], *,
+                    params: dict[str, str] | None = None, body: Any = None) -> httpx.Response:
         try:
-            response = await self._client.get(url, params=params)
+            response = await self._client.request(method, f"{self.base}/api/{path}",
+                                                  params=params, json=body)
         except httpx.HTTPError as exc:
             raise ManagementUnavailable(
                 f"RabbitMQ management API at {self.base} unreachable "
                 f"({type(exc).__name__}: {exc or 'no answer'}); is the rabbitmq_management "
                 "plugin enabled, and is TRIGGERFLOW_MANAGEMENT_URL right?") from exc
-        if response.status_code == 404:
-            return None
-        if response.status_code != 200:
+        if response.status_code not in ok:
             raise ManagementUnavailable(
                 f"RabbitMQ management API at {self.base} answered {response.status_code} "
-                f"for {path} ({response.reason_phrase})")
-        return response.json()
+                f"for {method} {path} ({response.reason_phrase}: {response.text[:300]})")
+        return response
+
+    async def _get(self, path: str, **params: str) -> Any:
+        response = await self._call("GET", path, (200, 404), params=params)
+        return None if response.status_code == 404 else response.json()
+
+    async def set_policy(self, vhost: str, name: str, body: dict[str, Any]) -> None:
+        """Create or replace a policy (idempotent)."""
+        await self._call("PUT", f"policies/{quote(vhost, safe='')}/{quote(name, safe='')}",
+                         (201, 204), body=body)
 
     async def team_queues(self, vhost: str, deferrals_exchange: str) -> dict[str, BrokerQueue]:
-        """Queues bound to ``deferrals_exchange`` (empty when the exchange does not exist)."""
+        """Queues bound to a deferral exchange: ``deferrals_exchange`` itself or one named
+        ``<deferrals_exchange>.<queue>`` (empty when there is none)."""
         v = quote(vhost, safe="")
-        bindings = await self._get(
-            f"exchanges/{v}/{quote(deferrals_exchange, safe='')}/bindings/source")
+        bindings = await self._get(f"bindings/{v}")
         names = {b["destination"] for b in bindings or []
-                 if b.get("destination_type") == "queue"}
+                 if b.get("destination_type") == "queue"
+                 and (b.get("source") == deferrals_exchange
+                      or str(b.get("source", "")).startswith(deferrals_exchange + "."))}
         return await self.queues(vhost, names) if names else {}
 
     async def queues(self, vhost: str, names: set[str]) -> dict[str, BrokerQueue]:

@@ -219,7 +219,7 @@ class MemoryTransport:
         return await self.subscribe(EVENTS_QUEUE, handler, prefetch=prefetch)
 
     async def subscribe_control(self, consumer_id: int, handler: DeliveryHandler, *,
-                                prefetch: int) -> str:
+                                prefetch: int, queues: Sequence[str]) -> str:
         self.broker.declare(f"control.{consumer_id}")
         return await self.subscribe(f"control.{consumer_id}", handler, prefetch=prefetch)
 
@@ -273,7 +273,8 @@ class MemoryTransport:
         self._check()
         self.broker._put(EVENTS_QUEUE, Message(encode_events(list(events)), queue, self._user))
 
-    async def publish_control(self, consumer_id: int, op: str, ids: Sequence[int]) -> None:
+    async def publish_control(self, consumer_id: int, op: str, ids: Sequence[int], *,
+                              queue: str) -> None:
         self._check()
         name = f"control.{consumer_id}"
         if name in self.broker.queues:  # not mandatory: a gone consumer's message is dropped

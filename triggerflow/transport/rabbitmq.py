@@ -1,13 +1,12 @@
 """RabbitMQ adapter of :class:`~triggerflow.transport.Transport`: declarations, confirmed
 publishes, subscriptions whose loss can be seen.
 
-Names are derived from one namespace in one place (``Topology``) and mirrored in
-``brokers/rabbitmq/definitions.json``; a test keeps the two in step, since RabbitMQ refuses
-a re-declare with other arguments. The connection is not "robust": each component runs its
-own reconnect loop and re-subscribes explicitly (``transport.subscriptions``), because
-aio-pika's automatic restore has lost consumers before (aio-pika #231, #334, #536). aio-pika's
-errors do not leave this module: they become the transport's own. Imports nothing from the
-database side.
+Names come from :class:`~triggerflow.transport.topology.Topology` (each team queue has its own
+deferral and control exchanges, so no header routes into another team's queue). The
+connection is not "robust": each component runs its own reconnect loop and re-subscribes
+explicitly (``transport.subscriptions``), because aio-pika's automatic restore has lost
+consumers before (aio-pika #231, #334, #536). aio-pika's errors do not leave this module:
+they become the transport's own. Imports nothing from the database side.
 """
 
 from __future__ import annotations
@@ -16,7 +15,6 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import aio_pika
@@ -32,18 +30,27 @@ from yarl import URL
 from triggerflow.transport.interface import (
     DeliveryHandler,
     PublishRefused,
+    QueueFull,
     QueueInfo,
+    SubscribeRefused,
     TransportUnavailable,
     Unroutable,
 )
+from triggerflow.transport.management import ManagementClient, vhost_of
+from triggerflow.transport.topology import Topology
 from triggerflow.wire import (
     HEADER_REASON,
     HEADER_TRACEPARENT,
+    HEADER_TRUNCATED,
+    MAX_IDS,
+    MAX_MESSAGE_BYTES,
     Event,
     encode_control,
     encode_events,
     encode_wakeup,
 )
+
+__all__ = ["RabbitTransport", "Topology"]
 
 log = logging.getLogger(__name__)
 
@@ -97,58 +104,14 @@ class AmqpDelivery:
             await self._message.reject(requeue=requeue)
 
 
-@dataclass(frozen=True)
-class Topology:
-    """Every exchange and shared-queue name, derived from one namespace."""
-
-    namespace: str = "triggerflow"
-
-    @property
-    def deferrals(self) -> str:
-        return f"{self.namespace}.deferrals"
-
-    @property
-    def events(self) -> str:
-        return f"{self.namespace}.events"
-
-    @property
-    def events_queue(self) -> str:
-        return f"{self.namespace}.events"
-
-    @property
-    def dead(self) -> str:
-        return f"{self.namespace}.dead"
-
-    @property
-    def dead_queue(self) -> str:
-        return f"{self.namespace}.dead"
-
-    @property
-    def control(self) -> str:
-        return f"{self.namespace}.control"
-
-    def exchanges(self) -> dict[str, str]:
-        return {
-            self.deferrals: "topic",
-            self.events: "topic",
-            self.dead: "topic",
-            self.control: "direct",
-        }
-
-    def queue_arguments(self, delivery_limit: int = 5) -> dict[str, Any]:
-        """Arguments of team queues and the events queue (quorum, DLX, explicit limit)."""
-        return {
-            "x-queue-type": "quorum",
-            "x-dead-letter-exchange": self.dead,
-            "x-delivery-limit": delivery_limit,
-        }
-
-
 class RabbitTransport:
     """One AMQP connection and one confirming channel: the Transport on RabbitMQ."""
 
-    def __init__(self, url: str, topology: Topology, *, name: str = "triggerflow") -> None:
+    def __init__(self, url: str, topology: Topology, *, name: str = "triggerflow",
+                 management_url: str | None = None) -> None:
         self.url = url
+        # Where ``declare`` sets the queue-limit policies (AMQP cannot); None: not set.
+        self.management_url = management_url
         self.topology = topology
         self.name = name
         self.connection: AbstractConnection | None = None
@@ -205,10 +168,18 @@ class RabbitTransport:
     # -- topology ------------------------------------------------------------------------
 
     async def declare(self, team_queues: Sequence[str], *, delivery_limit: int = 5) -> None:
-        """Idempotently declare exchanges, team queues, the events queue and dead letters."""
+        """Idempotently declare exchanges, team queues, the events queue and dead letters;
+        with a management URL, also the length-limit policies of the team and dead queues.
+
+        This is also the migration from the shared deferral and control exchanges of older
+        versions: each queue gets its own exchanges; the old ones keep their bindings so
+        that clients not yet upgraded still deliver (docs/security.md, "Migrating")."""
         ch = self._channel()
         t = self.topology
-        for name, kind in t.exchanges().items():
+        exchanges = dict(t.exchanges())
+        for team in team_queues:
+            exchanges.update(t.team_exchanges(team))
+        for name, kind in exchanges.items():
             self._exchanges[name] = await ch.declare_exchange(
                 name, aio_pika.ExchangeType(kind), durable=True
             )
@@ -219,7 +190,16 @@ class RabbitTransport:
         await events_q.bind(t.events, "#")
         for team in team_queues:
             q = await ch.declare_queue(team, durable=True, arguments=args)
-            await q.bind(t.deferrals, team)
+            await q.bind(t.deferrals_of(team), team)
+        if self.management_url is None:
+            log.warning("queue length limits not set (they need the management API: set "
+                        "TRIGGERFLOW_MANAGEMENT_URL, or load the policies of "
+                        "brokers/rabbitmq/definitions.json)")
+            return
+        vhost = vhost_of(self.url)
+        async with ManagementClient(self.management_url) as api:
+            for name, body in [t.dead_policy(), *map(t.limits_policy, team_queues)]:
+                await api.set_policy(vhost, name, body)
 
     async def exchange(self, name: str) -> AbstractExchange:
         ex = self._exchanges.get(name)
@@ -260,7 +240,11 @@ class RabbitTransport:
         persistent: bool = True,
         user_id: str | None = None,
     ) -> None:
-        """Publish and wait for the broker's confirm; raise Unroutable if returned."""
+        """Publish and wait for the broker's confirm; raise Unroutable if returned (or the
+        exchange is missing), QueueFull if nacked, PublishRefused if forbidden or too big."""
+        if len(body) > MAX_MESSAGE_BYTES:
+            raise PublishRefused(f"message of {len(body)} bytes to {exchange!r} is over the "
+                                 f"{MAX_MESSAGE_BYTES}-byte bound")
         ex = await self.exchange(exchange)
         message = aio_pika.Message(
             body,
@@ -278,6 +262,14 @@ class RabbitTransport:
             raise Unroutable(
                 f"{exchange!r} could not route key {routing_key!r}: no queue is bound to it"
             ) from exc
+        except aio_pika.exceptions.DeliveryError as exc:
+            raise QueueFull(
+                f"broker refused a message to {exchange!r} with key {routing_key!r}: "
+                "the queue is at its length limit") from exc
+        except aiormq.exceptions.ChannelNotFoundEntity as exc:
+            self._exchanges.pop(exchange, None)
+            raise Unroutable(f"no exchange {exchange!r} (is `triggerflow topology apply` run "
+                             f"for queue {routing_key!r}?): {exc}") from exc
         except aiormq.exceptions.ChannelAccessRefused as exc:
             raise PublishRefused(
                 f"broker refused publishing to {exchange!r} with key {routing_key!r}: {exc}"
@@ -290,13 +282,23 @@ class RabbitTransport:
         async def deliver(message: AbstractIncomingMessage) -> None:
             await handler(AmqpDelivery(message))
 
-        async with _connection_errors():
+        async with self._read_refusals(f"queue {queue!r}" if queue else "a control queue"), \
+                _connection_errors():
             ch = self._channel()
             await ch.set_qos(prefetch_count=prefetch)
             # Without declare arguments the queue must exist (passive): a typo never creates
             # a queue nobody publishes to.
             q = await ch.declare_queue(queue, **(declare or {"passive": True}))
             return q, await q.consume(deliver)
+
+    @contextlib.asynccontextmanager
+    async def _read_refusals(self, what: str) -> AsyncIterator[None]:
+        """ACCESS_REFUSED on a subscription is permanent: say which user and queue."""
+        try:
+            yield
+        except aiormq.exceptions.ChannelAccessRefused as exc:
+            raise SubscribeRefused(
+                f"broker user {self.user!r} may not read {what}: {exc}") from exc
 
     async def subscribe(self, queue: str, handler: DeliveryHandler, *, prefetch: int) -> str:
         return (await self._consume(queue, handler, prefetch))[1]
@@ -305,12 +307,17 @@ class RabbitTransport:
         return await self.subscribe(self.topology.events_queue, handler, prefetch=prefetch)
 
     async def subscribe_control(self, consumer_id: int, handler: DeliveryHandler, *,
-                                prefetch: int) -> str:
+                                prefetch: int, queues: Sequence[str]) -> str:
         # Server-named ("amq.gen-…"): no client may declare a name under "amq.", so no team
-        # can take a consumer's control queue before it exists.
+        # can take a consumer's control queue before it exists. Bound to the control
+        # exchange of each queue served: binding needs read on the exchange, which a team
+        # user has for its own queues' only.
         q, tag = await self._consume("", handler, prefetch, exclusive=True, auto_delete=True)
-        async with _connection_errors():
-            await q.bind(self.topology.control, str(consumer_id))
+        for queue in queues:
+            exchange = self.topology.control_of(queue)
+            async with self._read_refusals(f"control exchange {exchange!r}"), \
+                    _connection_errors():
+                await q.bind(exchange, str(consumer_id))
         return tag
 
     async def unsubscribe(self, tag: str) -> None:
@@ -340,10 +347,11 @@ class RabbitTransport:
         headers = {HEADER_TRACEPARENT: traceparent} if traceparent else None
         loop = asyncio.get_running_loop()
         started, sent = loop.time(), 0
+        chunk = min(chunk, MAX_IDS)  # readers refuse bigger wake-ups
         for queue, ids in ids_by_queue.items():
             for i in range(0, len(ids), chunk):
                 part = list(ids[i : i + chunk])
-                await self.publish(self.topology.deferrals, queue, encode_wakeup(part),
+                await self.publish(self.topology.deferrals_of(queue), queue, encode_wakeup(part),
                                    headers=headers)
                 sent += len(part)
                 if rate:
@@ -352,14 +360,29 @@ class RabbitTransport:
                         await asyncio.sleep(ahead)
 
     async def publish_events(self, queue: str, events: Sequence[Event]) -> None:
-        await self.publish(self.topology.events, queue, encode_events(list(events)),
-                           user_id=self.user)
+        """One message, or as many as keep each under the broker's message size bound."""
+        body = encode_events(list(events))
+        if len(body) > MAX_MESSAGE_BYTES and len(events) > 1:
+            half = len(events) // 2
+            await self.publish_events(queue, events[:half])
+            await self.publish_events(queue, events[half:])
+            return
+        await self.publish(self.topology.events, queue, body, user_id=self.user)
 
-    async def publish_control(self, consumer_id: int, op: str, ids: Sequence[int]) -> None:
-        await self.publish(self.topology.control, str(consumer_id),
-                           encode_control(op, list(ids)), mandatory=False)
+    async def publish_control(self, consumer_id: int, op: str, ids: Sequence[int], *,
+                              queue: str) -> None:
+        for i in range(0, len(ids), MAX_IDS):
+            await self.publish(self.topology.control_of(queue), str(consumer_id),
+                               encode_control(op, list(ids[i : i + MAX_IDS])), mandatory=False)
 
     async def dead_letter(self, body: bytes, reason: str, *, source: str) -> None:
-        """Park an unusable message on the dead-letter exchange with a readable reason."""
-        await self.publish(self.topology.dead, source, body,
-                           headers={HEADER_REASON: reason[:1000]}, mandatory=False)
+        """Park an unusable message on the dead-letter exchange with a readable reason,
+        under ``source`` (topic permissions pin a team user to its own queue's name) and
+        stamped with our user (RabbitMQ refuses a ``user_id`` that is not the
+        connection's), so no team can file a dead letter in another team's name."""
+        headers: dict[str, Any] = {HEADER_REASON: reason[:1000]}
+        if len(body) > MAX_MESSAGE_BYTES:  # only from a broker with a larger max_message_size
+            headers[HEADER_TRUNCATED] = len(body)
+            body = body[:MAX_MESSAGE_BYTES]
+        await self.publish(self.topology.dead, source, body, headers=headers, mandatory=False,
+                           user_id=self.user)

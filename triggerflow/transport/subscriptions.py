@@ -16,9 +16,15 @@ import logging
 from collections.abc import Awaitable, Callable
 from functools import partial
 
-from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_exponential_jitter
+from tenacity import (
+    AsyncRetrying,
+    RetryCallState,
+    retry_if_exception_type,
+    retry_if_not_exception_type,
+    wait_exponential_jitter,
+)
 
-from triggerflow.transport.interface import DeliveryHandler, Transport
+from triggerflow.transport.interface import DeliveryHandler, SubscribeRefused, Transport
 
 log = logging.getLogger(__name__)
 
@@ -82,16 +88,22 @@ class Subscriptions:
     async def run(self, on_connected: Callable[[], None] | None = None,
                   on_lost: Callable[[], None] | None = None) -> None:
         """Keep everything subscribed until cancelled. ``on_connected`` runs after each
-        (re)subscription, ``on_lost`` after each loss: unacked deliveries die with it."""
+        (re)subscription, ``on_lost`` after each loss: unacked deliveries die with it.
+        Raises :class:`SubscribeRefused` (after one error line) when the broker user may not
+        read a wanted queue: reconnecting cannot change a permission."""
         while True:
             async for attempt in AsyncRetrying(
-                retry=retry_if_exception_type(Exception),
+                retry=retry_if_exception_type(Exception)
+                & retry_if_not_exception_type(SubscribeRefused),
                 wait=wait_exponential_jitter(multiplier=0.5, max=10, jitter=0.5),
                 before_sleep=_log_retry,
             ):
                 with attempt:
                     try:
                         await self._session(on_connected)
+                    except SubscribeRefused as exc:
+                        log.error("%s; not retrying", exc)
+                        raise
                     finally:
                         self.connected.clear()
                         self._tags.clear()
@@ -149,7 +161,8 @@ class Subscriptions:
         assert self._control is not None
         consumer_id, handler = self._control
         self._control_tag = await self.transport.subscribe_control(
-            consumer_id, handler, prefetch=self.prefetch)
+            consumer_id, handler, prefetch=self.prefetch,
+            queues=[q for q in self._wanted if q != EVENTS])
 
     async def check(self) -> None:
         """Re-subscribe what the broker dropped; with ``renew``, renew the rest too."""

@@ -63,12 +63,12 @@ WITH target AS (
     DELETE FROM trigger t
     WHERE t.id = ANY($1::bigint[]) AND (t.owner_id IS NULL OR NOT EXISTS (
         SELECT 1 FROM consumer c WHERE c.id = t.owner_id AND c.expires_at > now()))
-    RETURNING t.id
+    RETURNING t.id, t.queue
 )
-SELECT t.id, t.owner_id, t.id IN (SELECT trigger_id FROM moved) AS moved
+SELECT t.id, t.owner_id, t.id IN (SELECT trigger_id FROM moved) AS moved, t.queue
 FROM trigger t WHERE t.id = ANY($1::bigint[]) AND t.id NOT IN (SELECT id FROM orphan)
 UNION ALL
-SELECT id, NULL, true FROM orphan
+SELECT id, NULL, true, queue FROM orphan
 """
 
 # -- consumer

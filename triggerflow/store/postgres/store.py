@@ -293,4 +293,4 @@ class PostgresStore:
 
     async def cancel(self, ids: Sequence[int], state: str) -> list[Cancelled]:
         rows = await self._fetch(sql.CANCEL, list(ids), state)
-        return [Cancelled(r["id"], r["owner_id"], r["moved"]) for r in rows]
+        return [Cancelled(r["id"], r["owner_id"], r["moved"], r["queue"]) for r in rows]
