@@ -115,9 +115,9 @@ def test_every_option_has_a_variable_shown_in_help_and_listed_in_the_docs() -> N
             assert f"`{option.envvar}`" in cli_page, where
 
 
-def test_every_setting_is_read_by_some_command() -> None:
-    """A command reads only the variables of its options: a setting no command declares
-    would be read by none (only by the SDK)."""
+def test_every_setting_is_an_option_of_some_command() -> None:
+    """Only declared settings are checked at start: a setting no command declares would
+    never be (a bad value would pass unnoticed everywhere)."""
     declared = {option.name for _, option in _options()}
     assert set(Settings.model_fields) - declared == set()
 
@@ -152,6 +152,8 @@ def one_line_error(done: subprocess.CompletedProcess[str]) -> str:
     (["cancel", "1"], {"TRIGGERFLOW_DATABASE_URL": "mysql://u:hunter2@db/x"},
      "TRIGGERFLOW_DATABASE_URL"),
     (["writer"], {"TRIGGERFLOW_TEAM_USERS": "{not json"}, "TRIGGERFLOW_TEAM_USERS"),
+    (["consume", "--queue", "q"], {"TRIGGERFLOW_KWARGS_KEY": "hunter2-not-a-fernet-key"},
+     "TRIGGERFLOW_KWARGS_KEY"),
 ])
 def test_a_bad_value_is_one_line_naming_its_variable_or_flag(
         args: list[str], env: dict[str, str], names: str) -> None:
@@ -242,3 +244,27 @@ def test_status_id_states_are_the_stores_statements() -> None:
     from triggerflow.store.postgres.admin import TRIGGER_IDS
 
     assert sorted(ID_STATES) == sorted(TRIGGER_IDS)
+
+
+def test_a_command_checks_its_own_variables_and_reads_the_others_it_can() -> None:
+    """A setting a command uses without declaring it still follows its variable; an invalid
+    one it does not declare is left at its default instead of stopping the command."""
+    from click.testing import CliRunner
+
+    from triggerflow.cli.options import build_settings, settings_options
+
+    @click.command()
+    @settings_options("heartbeat")
+    def probe(**values: Any) -> None:
+        settings = build_settings(values)
+        click.echo(f"{settings.heartbeat} {settings.lease_ttl.total_seconds()} "
+                   f"{settings.capacity}")
+
+    runner = CliRunner()
+    env = {"TRIGGERFLOW_LEASE_TTL": "1.5", "TRIGGERFLOW_CAPACITY": "abc",
+           "TRIGGERFLOW_HEARTBEAT": "7"}
+    done = runner.invoke(probe, [], env=env)
+    assert (done.exit_code, done.output) == (0, f"7 1.5 {Settings().capacity}\n")
+    refused = runner.invoke(probe, [], env={**env, "TRIGGERFLOW_HEARTBEAT": "0"})
+    assert refused.exit_code == 2
+    assert "TRIGGERFLOW_HEARTBEAT" in refused.output

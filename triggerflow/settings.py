@@ -254,6 +254,18 @@ class Settings(BaseModel):
     def _json_object(cls, value: object) -> object:
         return json.loads(value) if isinstance(value, str) else value
 
+    @field_validator("kwargs_key", "kwargs_keys")
+    @classmethod
+    def _fernet_keys(cls, value: Any) -> Any:
+        """A bad key is refused at start, naming its variable, not at the first kwargs."""
+        if value:
+            from triggerflow.codec import KwargsCodec
+
+            keys = value.values() if isinstance(value, dict) else [value]
+            for key in keys:
+                KwargsCodec(key.get_secret_value())  # raises ValueError for a malformed key
+        return value
+
     @staticmethod
     def env_name(field: str) -> str:
         """The environment variable of a field (the one naming rule; see ``model_config``)."""

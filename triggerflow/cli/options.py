@@ -88,10 +88,12 @@ def _from_environment(ctx: click.Context, name: str) -> bool:
 
 
 def build_settings(values: dict[str, Any], every_variable: bool = False) -> Settings:
-    """The Settings of the fields this command declares (its options, flag or variable); every
-    other field keeps its default, so an unrelated variable cannot break the command.
-    ``every_variable``: also read every other variable (commands that start other processes).
-    An invalid value ends the command with one line naming its flag or variable (exit 2)."""
+    """The Settings of the fields this command declares (its options, flag or variable),
+    checked: an invalid value ends the command with one line naming its flag or variable
+    (exit 2). The variables of other fields are read too (a setting used but not declared
+    still follows its variable), but one that is invalid is left at its default, so an
+    unrelated variable cannot break the command. ``every_variable``: check every variable
+    (commands that pass them on to processes they start)."""
     ctx = click.get_current_context()
     given: dict[str, Any] = {}
     for key, value in values.items():
@@ -106,8 +108,22 @@ def build_settings(values: dict[str, Any], every_variable: bool = False) -> Sett
         raise failures.ConfigError(failures.config_problem(
             exc, lambda field: Settings.env_name(field) if field not in given
             or _from_environment(ctx, field) else Settings.flag_name(field))) from None
+    if not every_variable:
+        settings = _with_valid_other_variables(settings, given, set(values))
     failures.current.settings = settings
     quiet_client_libraries(logging.getLevelName(settings.log_level))
+    return settings
+
+
+def _with_valid_other_variables(settings: Settings, given: dict[str, Any],
+                                declared: set[str]) -> Settings:
+    others = {k: v for k, v in Settings.environment().items() if k not in declared}
+    while others:
+        try:
+            return Settings.without_environment({**others, **given})
+        except ValueError as exc:  # drop the invalid ones: this command does not take them
+            bad = {str(e["loc"][0]) for e in getattr(exc, "errors", list)() if e["loc"]}
+            others = {k: v for k, v in others.items() if k not in bad} if bad else {}
     return settings
 
 
