@@ -1,6 +1,7 @@
 """The ordinary failures at a command's start, against the suite's real services: the database
 or broker unreachable or refusing the login end in one line naming the setting to check,
-exit 1, no traceback (unless the log level is DEBUG)."""
+exit 1, no traceback (unless the log level is DEBUG); a service logs its bounded retries
+before it."""
 
 from __future__ import annotations
 
@@ -29,9 +30,12 @@ def one_line(done: subprocess.CompletedProcess[str]) -> str:
     assert done.returncode == 1, done.stdout + done.stderr
     assert "Traceback" not in done.stderr, done.stderr
     lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), done.stderr
+    # A service retries a bounded number of times, one log line each, then ends with one
+    # line: the CLI's error, or the service's own exit line after repeated refusals.
+    assert lines and (lines[-1].startswith("error: ") or " exiting: " in lines[-1]), done.stderr
+    assert all("retrying in" in line for line in lines[:-1]), done.stderr
     assert SECRET not in done.stdout + done.stderr
-    return lines[0]
+    return lines[-1]
 
 
 def test_database_and_broker_failures_are_one_line_naming_the_setting(
@@ -48,13 +52,14 @@ def test_database_and_broker_failures_are_one_line_naming_the_setting(
         (["consume", *queue], {"database_url": closed_db},
          ("cannot reach the database at 127.0.0.1:1", "TRIGGERFLOW_DATABASE_URL")),
         (["consume", *queue], {"database_url": unknown_role},
-         ("refused the login", 'role "nosuchrole" does not exist', "TRIGGERFLOW_DATABASE_URL")),
+         ("refused our credentials", 'role "nosuchrole" does not exist',
+          "TRIGGERFLOW_DATABASE_URL")),
         (["consume", *queue], {"database_url": missing_db},
          ('database "nosuchdb" does not exist', "triggerflow db upgrade")),
         (["writer"], {"database_url": closed_db},
          ("cannot reach the database at 127.0.0.1:1", "TRIGGERFLOW_DATABASE_URL")),
         (["writer"], {"database_url": unknown_role},
-         ("refused the login", "TRIGGERFLOW_DATABASE_URL")),
+         ("refused our credentials", "TRIGGERFLOW_DATABASE_URL")),
         (["topology", "apply", *queue], {"amqp_url": refused_broker},
          (f"the broker at {amqp.host}:{amqp.port} refused the login", "TRIGGERFLOW_AMQP_URL")),
         (["topology", "apply", *queue], {"amqp_url": closed_broker},

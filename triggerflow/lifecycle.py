@@ -18,13 +18,15 @@ log = logging.getLogger(__name__)
 def refused_line(exc: BaseException) -> str | None:
     """The exit line for a refusal that ended the process, or None for any other error."""
     if isinstance(exc, AccessRefused):
-        service = "the broker"
+        service, setting, what = "the broker", "TRIGGERFLOW_AMQP_URL", "virtual host"
     elif isinstance(exc, StoreAccessRefused):
-        service = "the database"
+        service, setting, what = "the database", "TRIGGERFLOW_DATABASE_URL", "database"
     else:
         return None
+    hint = "; a missing database: `triggerflow db upgrade` creates it" \
+        if what == "database" else ""
     return (f"exiting: {service} refused our credentials {ACCESS_ATTEMPTS} times in a row "
-            f"({exc}); check the user, password and virtual host or database")
+            f"({exc}); check the user, password and {what} in {setting}{hint}")
 
 
 def report_refused(exc: BaseException) -> bool:

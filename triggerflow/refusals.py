@@ -31,15 +31,19 @@ class Refusals:
     success.
     """
 
-    def __init__(self, service: str, refused: ExceptionTypes, log: logging.Logger) -> None:
+    def __init__(self, service: str, refused: ExceptionTypes, log: logging.Logger, *,
+                 unavailable_attempts: int | None = None) -> None:
         self.service = service
         self.refused = refused
         self.log = log
+        # Other failures are retried as long as they last, or this many times in a row.
+        self.unavailable_attempts = unavailable_attempts
         self.count = 0
+        self.unavailable = 0
         self.last_error: str | None = None
 
     def reset(self) -> None:
-        self.count, self.last_error = 0, None
+        self.count, self.unavailable, self.last_error = 0, 0, None
 
     def retrying(self, retry_on: ExceptionTypes, wait: Any,
                  never: ExceptionTypes = ()) -> AsyncRetrying:
@@ -53,7 +57,9 @@ class Refusals:
         exc = state.outcome.exception() if state.outcome else None
         self.last_error = f"{type(exc).__name__}: {exc}"
         if not isinstance(exc, self.refused):
-            return False
+            self.unavailable += 1
+            return self.unavailable_attempts is not None and \
+                self.unavailable >= self.unavailable_attempts
         self.count += 1
         return self.count >= ACCESS_ATTEMPTS
 

@@ -63,6 +63,9 @@ def rabbit_transport(settings: Settings, *, name: str) -> RabbitTransport:
 
 
 CONSUMER_CONNECTION = "triggerflow-consumer:"
+# Tries to reach the database at start (about 15 s with the backoff): long enough for one
+# started beside it, short enough that a wrong host or port is one line, not a hang.
+STARTUP_ATTEMPTS = 6
 
 
 def consumer_connection_name(queues: list[str]) -> str:
@@ -75,10 +78,12 @@ def consumer_connection_name(queues: list[str]) -> str:
 
 
 async def _connect_store_retrying(settings: Settings, stop: asyncio.Event) -> Store | None:
-    """The store once it answers (None: stopped first). Retries while it is unreachable and,
-    a bounded number of times, while it refuses our credentials (then StoreAccessRefused);
-    readiness names the database meanwhile."""
-    refusals = Refusals("the database", StoreAccessRefused, log)
+    """The store once it answers (None: stopped first). Retries, a bounded number of times,
+    while it is unreachable (then its last StoreUnavailable: the CLI's one line names the
+    setting) or refuses our credentials (then StoreAccessRefused); readiness names the
+    database meanwhile. Once started, a process rides out outages of any length."""
+    refusals = Refusals("the database", StoreAccessRefused, log,
+                        unavailable_attempts=STARTUP_ATTEMPTS)
     get_health().check("database", lambda: f"connecting ({refusals.last_error or 'starting'})")
 
     async def connect() -> Store:
