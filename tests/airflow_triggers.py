@@ -45,3 +45,56 @@ class DeferToRaisingTrigger(BaseOperator):
 
     def execute_complete(self, context: Any, event: Any = None) -> Any:
         return event
+
+
+class RuntimeReadingTrigger(BaseTrigger):
+    """Reads a Connection and a Variable as provider triggers do, in one of three styles:
+    ``sync`` (``BaseHook.get_connection`` and ``Variable.get`` called straight from the
+    coroutine), ``sync_to_async`` (the same calls wrapped), ``connection_get``
+    (``Connection.get``). Fires with what it read; a missing id raises what Airflow raises."""
+
+    def __init__(self, conn_id: str, variable: str, style: str = "sync") -> None:
+        super().__init__()
+        self.conn_id = conn_id
+        self.variable = variable
+        self.style = style
+
+    def serialize(self) -> tuple[str, dict[str, Any]]:
+        return ("tests.airflow_triggers.RuntimeReadingTrigger",
+                {"conn_id": self.conn_id, "variable": self.variable, "style": self.style})
+
+    def read(self) -> dict[str, Any]:
+        from airflow.sdk import BaseHook, Connection, Variable
+
+        if self.style == "connection_get":
+            conn = Connection.get(self.conn_id)
+        else:
+            conn = BaseHook.get_connection(self.conn_id)
+        return {"login": conn.login, "password": conn.password, "host": conn.host,
+                "variable": Variable.get(self.variable)}
+
+    async def run(self) -> AsyncIterator[TriggerEvent]:
+        from asgiref.sync import sync_to_async
+
+        if self.style == "sync_to_async":
+            yield TriggerEvent(await sync_to_async(self.read)())
+        else:
+            yield TriggerEvent(self.read())
+
+
+class DeferToRuntimeTrigger(BaseOperator):
+    """Defers to ``RuntimeReadingTrigger``; returns what the trigger read (an XCom)."""
+
+    def __init__(self, *, conn_id: str, variable: str, style: str = "sync",
+                 **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.conn_id = conn_id
+        self.variable = variable
+        self.style = style
+
+    def execute(self, context: Any) -> None:
+        self.defer(trigger=RuntimeReadingTrigger(self.conn_id, self.variable, self.style),
+                   method_name="execute_complete")
+
+    def execute_complete(self, context: Any, event: Any = None) -> Any:
+        return event
