@@ -33,7 +33,7 @@ from contextvars import ContextVar
 from typing import Any
 
 from airflow.jobs.triggerer_job_runner import TriggerCommsDecoder
-from airflow.sdk._shared.secrets_masker import _secrets_masker
+from airflow.sdk._shared.secrets_masker import SecretsMasker, _secrets_masker
 from airflow.sdk.execution_time import task_runner
 
 log = logging.getLogger(__name__)
@@ -100,7 +100,9 @@ class RuntimeComms(TriggerCommsDecoder):
 
 def mask_logs() -> None:
     """Airflow's secrets masker on the consumer's log handlers (a handler filter sees every
-    record that reaches it, whichever logger it came from)."""
+    record that reaches it, whichever logger it came from), switched on as ``airflow
+    triggerer`` switches it on."""
+    SecretsMasker.enable_log_masking()
     masker = _secrets_masker()
     for handler in logging.getLogger().handlers:
         if masker not in handler.filters:
