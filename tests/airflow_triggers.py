@@ -82,19 +82,52 @@ class RuntimeReadingTrigger(BaseTrigger):
             yield TriggerEvent(self.read())
 
 
-class DeferToRuntimeTrigger(BaseOperator):
-    """Defers to ``RuntimeReadingTrigger``; returns what the trigger read (an XCom)."""
+class DeferToTrigger(BaseOperator):
+    """Defers at once to ``trigger`` (a trigger class of this module) built with
+    ``trigger_kwargs``; returns the event's payload (an XCom)."""
 
-    def __init__(self, *, conn_id: str, variable: str, style: str = "sync",
-                 **kwargs: Any) -> None:
+    def __init__(self, *, trigger: str, trigger_kwargs: dict[str, Any], **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.conn_id = conn_id
-        self.variable = variable
-        self.style = style
+        self.trigger = trigger
+        self.trigger_kwargs = trigger_kwargs
 
     def execute(self, context: Any) -> None:
-        self.defer(trigger=RuntimeReadingTrigger(self.conn_id, self.variable, self.style),
+        self.defer(trigger=globals()[self.trigger](**self.trigger_kwargs),
                    method_name="execute_complete")
 
     def execute_complete(self, context: Any, event: Any = None) -> Any:
         return event
+
+
+class LatencyTrigger(BaseTrigger):
+    """Times ``requests`` reads of a connection (``BaseHook.get_connection``, sync from the
+    coroutine) and of a variable (``Variable.get`` through ``sync_to_async``), one after the
+    other, and fires with the milliseconds each took: the runtime's latency as trigger code
+    sees it, under whichever triggerer runs it (tests/airflow_runtime_latency.py)."""
+
+    def __init__(self, conn_id: str, variable: str, requests: int) -> None:
+        super().__init__()
+        self.conn_id = conn_id
+        self.variable = variable
+        self.requests = requests
+
+    def serialize(self) -> tuple[str, dict[str, Any]]:
+        return ("tests.airflow_triggers.LatencyTrigger",
+                {"conn_id": self.conn_id, "variable": self.variable, "requests": self.requests})
+
+    async def run(self) -> AsyncIterator[TriggerEvent]:
+        import time
+
+        from airflow.sdk import BaseHook, Variable
+        from asgiref.sync import sync_to_async
+
+        connection_ms, variable_ms = [], []
+        for _ in range(self.requests):
+            t0 = time.perf_counter()
+            BaseHook.get_connection(self.conn_id)
+            t1 = time.perf_counter()
+            await sync_to_async(Variable.get)(self.variable)
+            t2 = time.perf_counter()
+            connection_ms.append(round((t1 - t0) * 1000, 3))
+            variable_ms.append(round((t2 - t1) * 1000, 3))
+        yield TriggerEvent({"connection_ms": connection_ms, "variable_ms": variable_ms})
