@@ -155,6 +155,7 @@ class RuntimeProcess:
 @contextlib.asynccontextmanager
 async def serving() -> AsyncIterator[RuntimeProcess]:
     """The runtime for the consumer's lifetime: ``SUPERVISOR_COMMS`` installed, logs masked."""
+    context = os.environ.get("_AIRFLOW_PROCESS_CONTEXT")
     os.environ["_AIRFLOW_PROCESS_CONTEXT"] = "client"  # as Airflow's trigger runner sets it
     mask_logs()
     runtime = RuntimeProcess()
@@ -169,3 +170,7 @@ async def serving() -> AsyncIterator[RuntimeProcess]:
         await runtime.stop()
         with contextlib.suppress(AttributeError):
             del task_runner.SUPERVISOR_COMMS
+        if context is None:
+            os.environ.pop("_AIRFLOW_PROCESS_CONTEXT", None)
+        else:
+            os.environ["_AIRFLOW_PROCESS_CONTEXT"] = context
