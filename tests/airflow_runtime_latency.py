@@ -52,10 +52,13 @@ def run_once(stack: AirflowStack) -> dict[str, list[float]]:
                       for (v,) in cur.fetchall()]
     finally:
         conn.close()
-    out: dict[str, list[float]] = {"connection_ms": [], "variable_ms": []}
+    # Each trigger's first request also waits for the runtime to start (Airflow's in-process
+    # API, triggerflow's child process): reported apart from the steady state.
+    out: dict[str, list[float]] = {"connection_ms": [], "variable_ms": [], "first_ms": []}
     for value in values:
-        for key in out:
-            out[key].extend(value[key])
+        out["first_ms"].append(value["connection_ms"][0])
+        out["connection_ms"].extend(value["connection_ms"][1:])
+        out["variable_ms"].extend(value["variable_ms"])
     return out
 
 
@@ -98,7 +101,8 @@ def main() -> int:
             finally:
                 stop()
             for key, label in (("connection_ms", "GetConnection (sync)"),
-                               ("variable_ms", "GetVariable (sync_to_async)")):
+                               ("variable_ms", "GetVariable (sync_to_async)"),
+                               ("first_ms", "each trigger's first GetConnection")):
                 values = got[key]
                 if not values:
                     print(f"| {name} | {label} | 0 | - | - | - |")

@@ -51,17 +51,22 @@ class RuntimeReadingTrigger(BaseTrigger):
     """Reads a Connection and a Variable as provider triggers do, in one of three styles:
     ``sync`` (``BaseHook.get_connection`` and ``Variable.get`` called straight from the
     coroutine), ``sync_to_async`` (the same calls wrapped), ``connection_get``
-    (``Connection.get``). Fires with what it read; a missing id raises what Airflow raises."""
+    (``Connection.get``). Fires with what it read; a missing id raises what Airflow raises.
+    ``hold`` seconds pass first: a trigger that fires at once can lose its task to Airflow's
+    scheduler (issue 18, item 4), which is not what the runtime tests look at."""
 
-    def __init__(self, conn_id: str, variable: str, style: str = "sync") -> None:
+    def __init__(self, conn_id: str, variable: str, style: str = "sync",
+                 hold: float = 0.0) -> None:
         super().__init__()
         self.conn_id = conn_id
         self.variable = variable
         self.style = style
+        self.hold = hold
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         return ("tests.airflow_triggers.RuntimeReadingTrigger",
-                {"conn_id": self.conn_id, "variable": self.variable, "style": self.style})
+                {"conn_id": self.conn_id, "variable": self.variable, "style": self.style,
+                 "hold": self.hold})
 
     def read(self) -> dict[str, Any]:
         from airflow.sdk import BaseHook, Connection, Variable
@@ -76,6 +81,7 @@ class RuntimeReadingTrigger(BaseTrigger):
     async def run(self) -> AsyncIterator[TriggerEvent]:
         from asgiref.sync import sync_to_async
 
+        await asyncio.sleep(self.hold)
         if self.style == "sync_to_async":
             yield TriggerEvent(await sync_to_async(self.read)())
         else:

@@ -32,16 +32,19 @@ CONN_ID, VARIABLE = "tf_runtime_conn", "tf_runtime_variable"
 TARGET = "tf_runtime_target"
 ARGS = {"retries": 0}
 START = datetime(2026, 1, 1)
+HOLD = 5.0  # seconds each reading trigger waits before it reads and fires
 
 with DAG("tf_runtime_reads", schedule=None, start_date=START, catchup=False, default_args=ARGS):
     for style in ("sync", "sync_to_async", "connection_get"):
         DeferToTrigger(task_id=f"reads_{style}", trigger="RuntimeReadingTrigger",
-                       trigger_kwargs={"conn_id": CONN_ID, "variable": VARIABLE, "style": style})
+                       trigger_kwargs={"conn_id": CONN_ID, "variable": VARIABLE, "style": style,
+                                       "hold": HOLD})
 
 with DAG("tf_runtime_missing", schedule=None, start_date=START, catchup=False,
          default_args=ARGS):
     DeferToTrigger(task_id="missing_conn", trigger="RuntimeReadingTrigger",
-                   trigger_kwargs={"conn_id": "tf_no_such_conn", "variable": VARIABLE})
+                   trigger_kwargs={"conn_id": "tf_no_such_conn", "variable": VARIABLE,
+                                   "hold": HOLD})
 
 
 def pause() -> None:
