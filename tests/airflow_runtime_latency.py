@@ -25,7 +25,7 @@ from triggerflow.bench.airflow_stack import AirflowStack
 
 DAG_ID = "tf_runtime_latency"
 CONN_ID, VARIABLE = "tf_runtime_conn", "tf_runtime_variable"
-QUEUE = "default"
+QUEUE = "tf-runtime"  # the DAGs' queue (tests/airflow_dags/triggerflow_runtime.py)
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -23,7 +23,7 @@ from triggerflow.bench.airflow_stack import AirflowStack
 __all__ = ["airflow_template"]
 
 DAGS = ROOT / "tests" / "airflow_dags"
-QUEUE = "default"
+QUEUE = "tf-runtime"  # the DAGs' queue (tests/airflow_dags/triggerflow_runtime.py)
 RUN_TIMEOUT = 300.0
 CONN_ID, VARIABLE, PASSWORD = "tf_runtime_conn", "tf_runtime_variable", "pa55-in-airflow-db"
 VARIABLE_VALUE = "set through the REST API"

@@ -30,7 +30,10 @@ from tests.airflow_triggers import DeferToTrigger
 
 CONN_ID, VARIABLE = "tf_runtime_conn", "tf_runtime_variable"
 TARGET = "tf_runtime_target"
-ARGS = {"retries": 0}
+# A queue of their own: RabbitMQ queue names are not namespaced, and another module of the
+# suite declares "default" with its namespace's dead-letter exchange.
+QUEUE = "tf-runtime"
+ARGS = {"retries": 0, "queue": QUEUE}
 START = datetime(2026, 1, 1)
 HOLD = 5.0  # seconds each reading trigger waits before it reads and fires
 
