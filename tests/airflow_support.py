@@ -28,7 +28,7 @@ from typing import Any
 import asyncpg
 import pytest
 
-from tests.conftest import admin_sql, drop_database_sql
+from tests.conftest import FAST, admin_sql, drop_database_sql
 from triggerflow.bench.airflow_stack import AirflowStack
 
 AIRFLOW_TEMPLATE = f"tf_airflow_template_{os.getpid()}"
@@ -190,3 +190,27 @@ async def add_deferred_task(conn: asyncpg.Connection, task_id: str, classpath: s
         uuid.uuid4(), task_id, DAG_ID, RUN_ID, map_index, queue, trigger_id,
         None if next_kwargs is None else json.dumps(next_kwargs), DAG_VERSION_ID, max_tries)
     return DeferredTask(task_id, int(trigger_id), map_index)
+
+
+def serve_with_triggerflow(stack: AirflowStack, amqp_url: str, queues: list[str],
+                           namespace: str) -> list[str]:
+    """``triggerflow airflow setup`` and ``topology apply`` on ``stack``, then ``writer
+    --airflow`` and one ``consume --airflow`` per queue as its processes (test settings:
+    ``FAST``); returns their names for ``stack.stop_process``."""
+    from triggerflow.settings import Settings
+
+    settings = Settings(
+        database_url=stack.database_url, amqp_url=amqp_url, namespace=namespace,
+        allowed_modules=["airflow.providers.standard.triggers", "tests.airflow_triggers"],
+        **FAST,  # type: ignore[arg-type]
+    )
+    env = {**stack.env, **settings.as_env(), "PYTHONUNBUFFERED": "1"}
+    tf = [sys.executable, "-m", "triggerflow"]
+    subprocess.run([*tf, "airflow", "setup", "--database-url", stack.database_url],
+                   env=env, check=True, timeout=120)
+    queue_flags = [flag for q in queues for flag in ("--queue", q)]
+    subprocess.run([*tf, "topology", "apply", *queue_flags], env=env, check=True, timeout=120)
+    stack.spawn("tf-writer", [*tf, "writer", "--airflow"], env)
+    for queue in queues:
+        stack.spawn(f"tf-consume-{queue}", [*tf, "consume", "--airflow", "--queue", queue], env)
+    return ["tf-writer", *(f"tf-consume-{queue}" for queue in queues)]

@@ -45,3 +45,95 @@ class DeferToRaisingTrigger(BaseOperator):
 
     def execute_complete(self, context: Any, event: Any = None) -> Any:
         return event
+
+
+class RuntimeReadingTrigger(BaseTrigger):
+    """Reads a Connection and a Variable as provider triggers do, in one of three styles:
+    ``sync`` (``BaseHook.get_connection`` and ``Variable.get`` called straight from the
+    coroutine), ``sync_to_async`` (the same calls wrapped), ``connection_get``
+    (``Connection.get``). Fires with what it read; a missing id raises what Airflow raises.
+    ``hold`` seconds pass first: a trigger that fires at once can lose its task to Airflow's
+    scheduler (issue 18, item 4), which is not what the runtime tests look at."""
+
+    def __init__(self, conn_id: str, variable: str, style: str = "sync",
+                 hold: float = 0.0) -> None:
+        super().__init__()
+        self.conn_id = conn_id
+        self.variable = variable
+        self.style = style
+        self.hold = hold
+
+    def serialize(self) -> tuple[str, dict[str, Any]]:
+        return ("tests.airflow_triggers.RuntimeReadingTrigger",
+                {"conn_id": self.conn_id, "variable": self.variable, "style": self.style,
+                 "hold": self.hold})
+
+    def read(self) -> dict[str, Any]:
+        from airflow.sdk import BaseHook, Connection, Variable
+
+        if self.style == "connection_get":
+            conn = Connection.get(self.conn_id)
+        else:
+            conn = BaseHook.get_connection(self.conn_id)
+        return {"login": conn.login, "password": conn.password, "host": conn.host,
+                "variable": Variable.get(self.variable)}
+
+    async def run(self) -> AsyncIterator[TriggerEvent]:
+        from asgiref.sync import sync_to_async
+
+        await asyncio.sleep(self.hold)
+        if self.style == "sync_to_async":
+            yield TriggerEvent(await sync_to_async(self.read)())
+        else:
+            yield TriggerEvent(self.read())
+
+
+class DeferToTrigger(BaseOperator):
+    """Defers at once to ``trigger`` (a trigger class of this module) built with
+    ``trigger_kwargs``; returns the event's payload (an XCom)."""
+
+    def __init__(self, *, trigger: str, trigger_kwargs: dict[str, Any], **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.trigger = trigger
+        self.trigger_kwargs = trigger_kwargs
+
+    def execute(self, context: Any) -> None:
+        self.defer(trigger=globals()[self.trigger](**self.trigger_kwargs),
+                   method_name="execute_complete")
+
+    def execute_complete(self, context: Any, event: Any = None) -> Any:
+        return event
+
+
+class LatencyTrigger(BaseTrigger):
+    """Times ``requests`` reads of a connection (``BaseHook.get_connection``, sync from the
+    coroutine) and of a variable (``Variable.get`` through ``sync_to_async``), one after the
+    other, and fires with the milliseconds each took: the runtime's latency as trigger code
+    sees it, under whichever triggerer runs it (tests/airflow_runtime_latency.py)."""
+
+    def __init__(self, conn_id: str, variable: str, requests: int) -> None:
+        super().__init__()
+        self.conn_id = conn_id
+        self.variable = variable
+        self.requests = requests
+
+    def serialize(self) -> tuple[str, dict[str, Any]]:
+        return ("tests.airflow_triggers.LatencyTrigger",
+                {"conn_id": self.conn_id, "variable": self.variable, "requests": self.requests})
+
+    async def run(self) -> AsyncIterator[TriggerEvent]:
+        import time
+
+        from airflow.sdk import BaseHook, Variable
+        from asgiref.sync import sync_to_async
+
+        connection_ms, variable_ms = [], []
+        for _ in range(self.requests):
+            t0 = time.perf_counter()
+            BaseHook.get_connection(self.conn_id)
+            t1 = time.perf_counter()
+            await sync_to_async(Variable.get)(self.variable)
+            t2 = time.perf_counter()
+            connection_ms.append(round((t1 - t0) * 1000, 3))
+            variable_ms.append(round((t2 - t1) * 1000, 3))
+        yield TriggerEvent({"connection_ms": connection_ms, "variable_ms": variable_ms})

@@ -31,7 +31,7 @@ def spec_of(trigger: Any, trigger_id: int = 1) -> TriggerSpec:
                        decode_kwargs(row.encrypted_kwargs), None, "dag.task")
 
 
-async def fire(trigger: Any) -> tuple[EventKind, Any]:
+async def fire(trigger: Any, timeout: float = 10) -> tuple[EventKind, Any]:
     """Run ``trigger`` as the Airflow consumer does; the (kind, wire value) it emits."""
     from triggerflow.airflow.codec import wire_outcome
     from triggerflow.airflow.loader import AirflowLoader
@@ -43,7 +43,7 @@ async def fire(trigger: Any) -> tuple[EventKind, Any]:
     held = Held(spec.id, spec.attempt, spec.queue, spec.classpath, spec.task, None, None)
     runner.start(held, AirflowLoader(ALLOWED).build(spec))
     try:
-        return await asyncio.wait_for(fired, 10)
+        return await asyncio.wait_for(fired, timeout)
     finally:
         runner.cancel()
         await runner.wait_cleanups()

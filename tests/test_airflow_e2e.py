@@ -12,8 +12,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -21,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.airflow_support import airflow_template, stack_database
-from tests.conftest import FAST, ROOT
+from tests.airflow_support import airflow_template, serve_with_triggerflow, stack_database
+from tests.conftest import ROOT
 from triggerflow.bench.airflow_stack import AirflowStack
 
 __all__ = ["airflow_template"]
@@ -174,26 +172,9 @@ def test_airflow_dags_reach_airflows_states_with_airflow_triggerer(
 def test_airflow_dags_reach_airflows_states_with_triggerflow(
         airflow_stack: AirflowStack, tmp_path: Path, amqp_server: str) -> None:
     """No ``airflow triggerer``: triggerflow's writer and one consumer per queue serve."""
-    from triggerflow.settings import Settings
-
-    settings = Settings(
-        database_url=airflow_stack.database_url, amqp_url=amqp_server,
-        namespace=f"tfaf{os.getpid()}",
-        allowed_modules=["airflow.providers.standard.triggers", "tests.airflow_triggers"],
-        **FAST,  # type: ignore[arg-type]
-    )
-    env = {**airflow_stack.env, **settings.as_env(), "PYTHONUNBUFFERED": "1"}
-    tf = [sys.executable, "-m", "triggerflow"]
-    subprocess.run([*tf, "airflow", "setup", "--database-url", airflow_stack.database_url],
-                   env=env, check=True, timeout=120)
-    queue_flags = [flag for q in QUEUES for flag in ("--queue", q)]
-    subprocess.run([*tf, "topology", "apply", *queue_flags], env=env, check=True, timeout=120)
-    names = ["tf-writer", *(f"tf-consume-{queue}" for queue in QUEUES)]
+    names = serve_with_triggerflow(airflow_stack, amqp_server, list(QUEUES),
+                                   f"tfaf{os.getpid()}")
     with serving(airflow_stack, names):
-        airflow_stack.spawn("tf-writer", [*tf, "writer", "--airflow"], env)
-        for queue in QUEUES:
-            airflow_stack.spawn(f"tf-consume-{queue}",
-                                [*tf, "consume", "--airflow", "--queue", queue], env)
         # Airflow sees a healthy triggerer while triggerflow serves (the writer's heartbeat;
         # a triggerer stopped by an earlier test on this stack closed its job row).
         airflow_stack.wait_healthy(["triggerer"], 60)

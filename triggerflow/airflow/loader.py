@@ -11,11 +11,15 @@ Importing this module imports Airflow (``triggerflow[airflow]``).
 
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator
 from typing import Any
 
+import greenback
+
 from triggerflow.airflow.codec import Encoded, encode_event, failure_body
 from triggerflow.airflow.kwargs import load_trigger_class
+from triggerflow.airflow.runtime import CURRENT_TRIGGER
 from triggerflow.airflow.timers import as_timer
 from triggerflow.loader import AllowedClasses, Disallowed, Unloadable
 from triggerflow.model import EventKind
@@ -44,6 +48,12 @@ class AirflowCoroutine(BaseTrigger):
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         self.trigger.trigger_id = self.trigger_id
+        # As Airflow's TriggerRunner.run_trigger: the portal lets trigger code call the sync
+        # SDK (SUPERVISOR_COMMS.send) from inside this coroutine; the variable is the
+        # runtime's per-trigger bound (runtime.RuntimeComms).
+        CURRENT_TRIGGER.set(self.trigger_id)
+        if os.environ.get("AIRFLOW_DISABLE_GREENBACK_PORTAL", "").lower() != "true":
+            await greenback.ensure_portal()
         agen = self.trigger.run()
         try:
             event = await anext(agen)

@@ -2,8 +2,9 @@
 triggerer did that nothing else in the deployment does.
 
 ``serve_consumer``: the native consumer with Airflow's classes (``loader.AirflowLoader``:
-heap timers for ``DateTimeTrigger`` forms, Airflow's coroutine otherwise) and Airflow's
-serialisers for every event (``codec.wire_outcome``).
+heap timers for ``DateTimeTrigger`` forms, Airflow's coroutine otherwise), Airflow's
+serialisers for every event (``codec.wire_outcome``) and the runtime trigger code calls
+(``runtime.serving``: connections, variables, XComs, DAG-run and task states ...).
 
 ``serve_writer``: the native writer (its backstop scoped to ``queues`` when given: during a
 migration the other queues are Airflow's own triggerer's), and alongside it
@@ -48,13 +49,15 @@ def _airflow(store: Store) -> AirflowStore:
 
 async def serve_consumer(settings: Settings, store: Store, transport: Transport,
                          stop: asyncio.Event) -> int:
+    from triggerflow.airflow import runtime
     from triggerflow.airflow.codec import wire_outcome
     from triggerflow.airflow.loader import AirflowLoader
     from triggerflow.consumer import Consumer
 
     consumer = Consumer(settings, _airflow(store), transport,
                         loader=AirflowLoader(settings.allowed_modules), encode=wire_outcome)
-    return await consumer.run(stop)
+    async with runtime.serving():
+        return await consumer.run(stop)
 
 
 class WakeUps:
