@@ -24,18 +24,19 @@ def kwargs_codec(settings: Settings) -> KwargsCodec:
     return KwargsCodec.from_secrets(settings.kwargs_key, settings.kwargs_keys)
 
 
-async def connect_store(settings: Settings, *, max_size: int | None = None) -> Store:
+async def connect_store(settings: Settings, *, max_size: int | None = None,
+                        lock_timeout: float | None = None) -> Store:
     """The store ``settings`` ask for, connected (native mode: PostgreSQL; ``airflow``:
-    Airflow's metadata database)."""
+    Airflow's metadata database). ``lock_timeout``: the writer's bound on row-lock waits."""
     if settings.airflow:
         from triggerflow.airflow import serve
 
-        return await serve.connect_store(settings, max_size=max_size)
+        return await serve.connect_store(settings, max_size=max_size, lock_timeout=lock_timeout)
     from triggerflow.store.postgres import PostgresStore
 
     return await PostgresStore.connect(
         settings.database_dsn(), max_size=max_size or settings.db_pool_size,
-        pgbouncer=settings.pgbouncer, codec=kwargs_codec(settings))
+        pgbouncer=settings.pgbouncer, codec=kwargs_codec(settings), lock_timeout=lock_timeout)
 
 
 def make_transport(settings: Settings, *, name: str) -> Transport:
@@ -70,7 +71,8 @@ async def serve_writer(settings: Settings, stop: asyncio.Event) -> int:
     """Run a writer on the real store and transport until ``stop``; its exit code."""
     from triggerflow.writer import Writer
 
-    store = await connect_store(settings)
+    store = await connect_store(settings,
+                                lock_timeout=settings.writer_lock_timeout.total_seconds())
     transport = make_transport(settings, name="triggerflow-writer")
     try:
         if settings.airflow:

@@ -34,6 +34,7 @@ from triggerflow.store import (
     Cancelled,
     ClaimResult,
     EventRefused,
+    EventsLocked,
     FreedTrigger,
     KwargsError,
     KwargsProblem,
@@ -76,12 +77,12 @@ class AirflowStore:
 
     @classmethod
     async def connect(cls, dsn: str, *, default_queue: str | None = None,
-                      max_size: int = 4) -> AirflowStore:
+                      max_size: int = 4, lock_timeout: float | None = None) -> AirflowStore:
         # keep_session: without it asyncpg's reset query is four more statements after
         # every call (measured: 5 statements/s per idle process instead of 1).
         pool = await asyncpg.create_pool(
             dsn, min_size=1, max_size=max_size, reset=keep_session,
-            server_settings=session_settings("triggerflow-airflow"))
+            server_settings=session_settings("triggerflow-airflow", lock_timeout=lock_timeout))
         return cls(pool, dsn, default_queue)
 
     async def close(self) -> None:
@@ -99,6 +100,8 @@ class AirflowStore:
             raise StoreUnavailable(repr(exc)) from exc
         except _REFUSED as exc:
             raise EventRefused(str(exc)) from exc
+        except asyncpg.LockNotAvailableError as exc:
+            raise EventsLocked(str(exc)) from exc
         except asyncpg.PostgresError as exc:
             raise StoreError(repr(exc)) from exc
 
@@ -210,9 +213,25 @@ class AirflowStore:
 
     async def apply_events(self, events: Sequence[Event]) -> list[Applied]:
         """``Event.payload`` is the body ``codec`` encoded (see ``events.AirflowEvent``)."""
+        applied, _ = await self._apply(events, skip_held=False)
+        return applied
+
+    async def apply_unlocked(self, events: Sequence[Event]) -> tuple[list[Applied], list[Event]]:
+        return await self._apply(events, skip_held=True)
+
+    async def _apply(self, events: Sequence[Event],
+                     skip_held: bool) -> tuple[list[Applied], list[Event]]:
         batch = [AirflowEvent(e.trigger_id, e.attempt, e.queue, e.kind, e.payload, e.fired_at)
                  for e in events]
-        async with self._errors(), self.pool.acquire() as conn:
+        held: set[int] = set()
+        # The hot path stays one transaction of its own; an outer one only when skipping.
+        async with (self._errors(), self.pool.acquire() as conn,
+                    conn.transaction() if skip_held else contextlib.nullcontext()):
+            if skip_held:  # lock what is free first (SKIP LOCKED), as the native store does
+                held = {r["id"] for r in await conn.fetch(
+                    sql.HELD_ELSEWHERE, [e.trigger_id for e in batch],
+                    [e.attempt for e in batch], [e.queue for e in batch], self.default_queue)}
+                batch = [e for e in batch if e.trigger_id not in held]
             rows = await apply_airflow_events(conn, batch, self.default_queue, clean=False)
         self.unused.add(e.trigger_id for e in batch)
         applied = [Applied(r["kind"], r["queue"], r["latency"]) for r in rows]
@@ -230,7 +249,7 @@ class AirflowStore:
             except SQLAlchemyError as exc:
                 raise StoreError(repr(exc)) from exc
             applied += [Applied(e.kind, e.queue, time.time() - e.fired_at) for e in done]
-        return applied
+        return applied, [e for e in events if e.trigger_id in held]
 
     # -- reaper ----------------------------------------------------------------------------
 

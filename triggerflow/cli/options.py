@@ -29,10 +29,11 @@ TELEMETRY = ("metrics_port", "otlp_endpoint", "trace_file")
 CONSUMER = ("queues", "capacity", "allowed_modules", "lease_ttl", "renew_interval",
             "claim_batch", "prefetch", "reclaim_rate", "probation_seconds",
             "max_failures", "blocked_threshold", "subscription_check_interval", "event_batch",
-            "event_linger", "max_event_bytes", "reaper_interval", "cancel_sweep_interval",
-            "unclaimed_grace", "max_deferral", "kwargs_key", "kwargs_keys", "airflow",
-            "default_queue")
-WRITER = ("writer_batch", "writer_prefetch", "writer_concurrency", "team_users", "lease_ttl",
+            "event_linger", "max_event_bytes", "max_event_message_bytes", "reaper_interval",
+            "cancel_sweep_interval", "unclaimed_grace", "max_deferral", "kwargs_key", "kwargs_keys",
+            "airflow", "default_queue")
+WRITER = ("writer_batch", "writer_prefetch", "writer_concurrency", "writer_lock_timeout",
+          "max_event_message_bytes", "team_users", "lease_ttl",
           "renew_interval", "reaper_interval", "unclaimed_grace", "max_deferral", "reclaim_rate",
           "subscription_check_interval", "airflow", "default_queue", "queues")
 SDK = ("allowed_modules", "max_kwargs_bytes", "max_deferral", "kwargs_key", "kwargs_keys")
