@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 
@@ -53,37 +52,46 @@ async def sdk_locks_own_tasks(dsn_a: str) -> AsyncIterator[int]:
         await conn.close()
 
 
+async def writer_waits_for_a_lock(db: Database) -> bool:
+    return bool(await db.fetchval(
+        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+        "AND wait_event_type = 'Lock' AND query LIKE '%WITH ev AS%'"))
+
+
 async def test_a_teams_row_locks_do_not_delay_another_teams_events(
     client: TriggerflowClient, db: Database, dsn: str, procs: Processes, teams: list[str],
     settings: Settings,
 ) -> None:
     a, b = teams
     writer = procs.writer()
-    # A's consumer publishes small messages: several of A's batches want a slot at once, so
-    # a writer that waited for A's locks in every slot would leave none for B.
+    # A's consumer publishes small messages: A's batches want every slot of the writer.
     procs.consume(a, event_batch=4)
     procs.consume(b)
-    moment = datetime.now(UTC) + timedelta(seconds=6)
-    await client.defer_many([
-        Deferral(TaskKey("locks", f"{q}-{i}", "r"), DateTimeTrigger(moment), q)
-        for q in (a, b) for i in range(TIMERS)])
+
+    def timers(queue: str, after: float) -> list[Deferral]:
+        moment = datetime.now(UTC) + timedelta(seconds=after)
+        return [Deferral(TaskKey("locks", f"{queue}-{i}", "r"), DateTimeTrigger(moment), queue)
+                for i in range(TIMERS)]
+
+    await client.defer_many(timers(a, 3))
     async with team_role(db, dsn, a) as dsn_a, sdk_locks_own_tasks(dsn_a) as locked:
         assert locked == TIMERS  # A's own rows only: row security hides B's
-        locked_at = time.time()
-        await wait_until(lambda: all_scheduled(db, b, TIMERS), 40,
+
+        async def a_reached_the_writer() -> bool:
+            held = f"queue {a}: rows held by another transaction" in procs.log(writer)
+            return held or await writer_waits_for_a_lock(db)
+
+        # A's events are in the writer, stopped by A's own locks, before B's timers fire.
+        await wait_until(a_reached_the_writer, 30, message="A's events met A's locks")
+        await client.defer_many(timers(b, 2))
+        await wait_until(lambda: all_scheduled(db, b, TIMERS), 30,
                          message="B's timers applied while A holds its locks")
         late = await db.fetchval(
             "SELECT max(extract(epoch FROM event_applied_at - event_fired_at)) "
             "FROM task_instance WHERE queue = $1", b)
         assert late < 5, f"B's events waited {late:.1f} s behind A's locks"
-        # A's events have fired and reached the writer; they wait for A's own locks.
-        async def a_held() -> bool:
-            return f"queue {a}: rows held by another transaction" in procs.log(writer)
-
-        await wait_until(a_held, 20, message="A's events held by A's locks")
         assert await states(db, a) == {"deferred": TIMERS}
-        await asyncio.sleep(max(0.0, 3 - (time.time() - locked_at)))  # held a while more
-        assert await states(db, a) == {"deferred": TIMERS}
+        assert f"queue {a}: rows held by another transaction" in procs.log(writer)
     await wait_until(lambda: all_scheduled(db, a, TIMERS), 20,
                      message="A's events applied once its locks are gone")
     assert await db.fetchval("SELECT count(*) FROM trigger") == 0
