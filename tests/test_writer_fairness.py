@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 
@@ -134,3 +135,35 @@ async def test_a_teams_flood_of_junk_does_not_delay_another_teams_events(
         assert f"event message of {len(junk)} bytes, over the" in reason, reason
         assert len(body) <= 65_536  # the dead letter keeps a prefix, not 6 MB of junk
     assert await dead_count(settings) == 0
+
+
+POISON = 300  # per message, every one refused by the database
+
+
+async def test_a_teams_poison_does_not_make_another_team_wait_behind_its_splitting(
+    db: Database, procs: Processes, teams: list[str], settings: Settings,
+) -> None:
+    """Team A's own events, every one with a payload PostgreSQL refuses: the writer splits
+    A's batches down to each bad event (hundreds of statements and dead letters), one
+    statement per turn, while B's events are applied between two of A's turns."""
+    a, b = teams
+    procs.writer()
+    await wait_until(lambda: db.fetchval("SELECT count(*) FROM consumer WHERE kind = 'writer'"),
+                     15, message="writer registered")
+    ids_a = await make_deferred(db, a, 2 * POISON)
+    ids_b = await make_deferred(db, b, TIMERS)
+    for part in (ids_a[:POISON], ids_a[POISON:]):
+        await publish_raw(settings, a, [Event(t, 0, a, "resume", "not json", time.time())
+                                        for t in part])
+    await publish_burst(settings, b, ids_b)
+    await wait_until(lambda: all_scheduled(db, b, TIMERS), 60, message="B's events applied")
+    late = await db.fetchval(
+        "SELECT max(extract(epoch FROM event_applied_at - event_fired_at)) "
+        "FROM task_instance WHERE queue = $1", b)
+    # B overtook A's splitting: most of A's tasks still wait for their refusal.
+    still = (await states(db, a)).get("deferred", 0)
+    assert late < 5 and still > POISON, (late, still)
+    await wait_until(lambda: db.fetchval(
+        "SELECT count(*) = $2 FROM task_instance WHERE queue = $1 AND next_method = '__fail__'",
+        a, 2 * POISON), 180, message="each of A's bad events refused and its task failed")
+    assert await dead_count(settings) == 2 * POISON
