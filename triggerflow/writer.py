@@ -273,8 +273,8 @@ class Writer:
         if held:
             await self._hold(work, held)
             return
-        if work.held and not self.lanes.held_events(work.queue):
-            self.lanes.contended.discard(work.queue)  # the locks are gone
+        if work.queue in self.lanes.contended and not self.lanes.held_events(work.queue):
+            self.lanes.contended.discard(work.queue)  # the locks are gone: wait for rows again
         await self._resolve(work)
 
     async def _apply(self, work: Work) -> tuple[list[Applied], list[Event]]:

@@ -51,15 +51,20 @@ class Work:
 
 
 def new_work(queue: str, events: list[Event], messages: list[Received], **flags: bool) -> Work:
-    """A work over ``events``: sorted by trigger id (concurrent batches lock in id order),
-    one per (trigger, attempt); each message waits for it."""
-    seen: dict[tuple[int, int], Event] = {}
-    for ev in events:
-        seen.setdefault((ev.trigger_id, ev.attempt), ev)
+    """A work over ``events`` that each of ``messages`` waits for."""
     unique = list({id(m): m for m in messages}.values())
     for m in unique:
         m.open += 1
-    return Work(queue, sorted(seen.values(), key=lambda e: e.trigger_id), unique, **flags)
+    return Work(queue, events, unique, **flags)
+
+
+def batch(events: list[Event]) -> list[Event]:
+    """One event per (trigger, attempt), sorted by trigger id: concurrent batches lock their
+    rows in id order. Done once per batch taken; split halves of a batch stay sorted."""
+    seen: dict[tuple[int, int], Event] = {}
+    for ev in events:
+        seen.setdefault((ev.trigger_id, ev.attempt), ev)
+    return sorted(seen.values(), key=lambda e: e.trigger_id)
 
 
 def resolve(work: Work) -> list[Received]:
@@ -151,8 +156,9 @@ class Lanes:
             merged.append(pending.popleft())
             size += len(merged[-1].events)
         if len(merged) == 1:
+            head.events = batch(head.events)
             return head
-        work = new_work(queue, [ev for w in merged for ev in w.events],
+        work = new_work(queue, batch([ev for w in merged for ev in w.events]),
                         [m for w in merged for m in w.messages])
         for w in merged:
             resolve(w)  # the merged work names the same messages now
