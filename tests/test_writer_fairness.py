@@ -16,14 +16,17 @@ import asyncpg
 
 from tests.conftest import Processes, wait_until
 from tests.test_bad_input import dead_letters
+from tests.test_documented_roles import as_role, roles
 from tests.test_isolation import publish_raw, team_role
-from tests.test_writer_faults import dead_count, make_deferred, publish_burst
+from tests.test_writer_faults import dead_count, make_deferred, publish_burst, writer_waits_on_lock
 from triggerflow.model import TaskKey
 from triggerflow.sdk import Deferral, TriggerflowClient
 from triggerflow.settings import Settings
 from triggerflow.store.postgres import Database
 from triggerflow.triggers.temporal import DateTimeTrigger
 from triggerflow.wire import Event, encode_events
+
+__all__ = ["roles"]  # a fixture
 
 TIMERS = 40  # per team
 
@@ -53,21 +56,18 @@ async def sdk_locks_own_tasks(dsn_a: str) -> AsyncIterator[int]:
         await conn.close()
 
 
-async def writer_waits_for_a_lock(db: Database) -> bool:
-    return bool(await db.fetchval(
-        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
-        "AND wait_event_type = 'Lock' AND query LIKE '%WITH ev AS%'"))
-
-
 async def test_a_teams_row_locks_do_not_delay_another_teams_events(
     client: TriggerflowClient, db: Database, dsn: str, procs: Processes, teams: list[str],
-    settings: Settings,
+    settings: Settings, roles: dict[str, str],
 ) -> None:
     a, b = teams
-    writer = procs.writer()
+    # The writer and consumers on the documented roles: HELD_ELSEWHERE's row locks need
+    # nothing the docs do not grant.
+    writer = procs.writer(database_url=as_role(dsn, roles["tf_writer"]))
+    consuming = as_role(dsn, roles["tf_consumer"])
     # A's consumer publishes small messages: A's batches want every slot of the writer.
-    procs.consume(a, event_batch=4)
-    procs.consume(b)
+    procs.consume(a, event_batch=4, database_url=consuming)
+    procs.consume(b, database_url=consuming)
 
     def timers(queue: str, after: float) -> list[Deferral]:
         moment = datetime.now(UTC) + timedelta(seconds=after)
@@ -80,7 +80,7 @@ async def test_a_teams_row_locks_do_not_delay_another_teams_events(
 
         async def a_reached_the_writer() -> bool:
             held = f"queue {a}: rows held by another transaction" in procs.log(writer)
-            return held or await writer_waits_for_a_lock(db)
+            return held or await writer_waits_on_lock(db)
 
         # A's events are in the writer, stopped by A's own locks, before B's timers fire.
         await wait_until(a_reached_the_writer, 30, message="A's events met A's locks")
