@@ -31,8 +31,8 @@ from triggerflow.store import Applied, EventRefused, EventsLocked, ProcessKind, 
 from triggerflow.telemetry import context_from, get_metrics, tracer, tracing_enabled
 from triggerflow.transport import Delivery, Transport, TransportUnavailable
 from triggerflow.transport.subscriptions import Subscriptions
-from triggerflow.wire import Event, WireError, decode_events, encode_events, encode_json
-from triggerflow.writer_lanes import Lanes, Received, Work, new_work, resolve
+from triggerflow.wire import Event, encode_events, encode_json
+from triggerflow.writer_lanes import Lanes, Received, Work, decode, new_work, resolve
 
 log = logging.getLogger(__name__)
 
@@ -184,7 +184,8 @@ class Writer:
     def _accept(self, message: Delivery | None) -> None:
         if message is None:  # a nudge: work went back into a lane
             return
-        received = self._decode(message)
+        received = decode(message, self.settings.max_event_message_bytes,
+                          self.settings.team_users)
         if received.events:
             self.lanes.add(received)
         else:  # nothing to apply: dead-letter what it carried and ack it
@@ -213,37 +214,6 @@ class Writer:
             self._slots.release()
             self._nudge()
 
-    def _decode(self, message: Delivery) -> Received:
-        try:
-            events = decode_events(message.body, self.settings.max_event_message_bytes)
-        except WireError as exc:
-            return Received(message, [], reject=str(exc))
-        kept: list[Event] = []
-        forged: list[tuple[Event, str]] = []
-        for ev in events:
-            why = self._forged(ev, message)
-            if why is None:
-                kept.append(ev)
-            else:
-                forged.append((ev, why))
-        return Received(message, kept, forged=forged)
-
-    def _forged(self, ev: Event, message: Delivery) -> str | None:
-        """Why ``ev`` may not be applied from this message, or None when it may.
-
-        Topic permissions pin a team's user to its own routing keys, so the routing key
-        names the publishing team's queue: an event for another queue's trigger is forged,
-        whatever ``team_users`` says. Where ``team_users`` names the queue's user, RabbitMQ's
-        validated ``user_id`` must match it as well.
-        """
-        if ev.queue != message.routing_key:
-            return (f"forged: routing key {message.routing_key!r} may not carry events of "
-                    f"{ev.queue!r}")
-        owner = self.settings.team_users.get(ev.queue)
-        if owner is not None and owner != message.user_id:
-            return f"forged: user {message.user_id!r} may not publish events of {ev.queue}"
-        return None
-
     async def _run(self, work: Work) -> None:
         """One turn of one queue: one statement (retried with backoff on any store error that
         is not about the events themselves), then the acks of the messages it completed.
@@ -268,7 +238,9 @@ class Writer:
             return
         self.metrics.commit_time.record(time.perf_counter() - started)
         self.metrics.batch_size.record(len(work.events))
-        self._record(applied, work.events)
+        waiting = {(ev.trigger_id, ev.attempt) for ev in held}
+        self._record(applied, [ev for ev in work.events
+                               if (ev.trigger_id, ev.attempt) not in waiting] if held else work.events)
         self.applied_total += len(applied)
         if held:
             await self._hold(work, held)

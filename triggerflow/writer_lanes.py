@@ -16,10 +16,11 @@ Pure bookkeeping, no I/O: a message is acked once every work naming it is resolv
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from triggerflow.transport import Delivery
-from triggerflow.wire import Event
+from triggerflow.wire import Event, WireError, decode_events
 
 HELD_RETRY_FIRST = 0.1  # seconds before the first retry of held events; doubles per retry
 HELD_RETRY_MAX = 2.0
@@ -48,6 +49,40 @@ class Work:
     due: float = 0.0  # loop time before which a held work is not retried
     tries: int = 0
     held_since: float = 0.0
+
+
+def decode(message: Delivery, max_bytes: int, team_users: Mapping[str, str]) -> Received:
+    """A delivery's events (a body over ``max_bytes`` is refused unread), less the forged."""
+    try:
+        events = decode_events(message.body, max_bytes)
+    except WireError as exc:
+        return Received(message, [], reject=str(exc))
+    kept: list[Event] = []
+    forged: list[tuple[Event, str]] = []
+    for ev in events:
+        why = _forged(ev, message, team_users)
+        if why is None:
+            kept.append(ev)
+        else:
+            forged.append((ev, why))
+    return Received(message, kept, forged=forged)
+
+
+def _forged(ev: Event, message: Delivery, team_users: Mapping[str, str]) -> str | None:
+    """Why ``ev`` may not be applied from this message, or None when it may.
+
+    Topic permissions pin a team's user to its own routing keys, so the routing key names the
+    publishing team's queue: an event for another queue's trigger is forged, whatever
+    ``team_users`` says. Where ``team_users`` names the queue's user, RabbitMQ's validated
+    ``user_id`` must match it as well. (So a lane holds one queue's events only.)
+    """
+    if ev.queue != message.routing_key:
+        return (f"forged: routing key {message.routing_key!r} may not carry events of "
+                f"{ev.queue!r}")
+    owner = team_users.get(ev.queue)
+    if owner is not None and owner != message.user_id:
+        return f"forged: user {message.user_id!r} may not publish events of {ev.queue}"
+    return None
 
 
 def new_work(queue: str, events: list[Event], messages: list[Received], **flags: bool) -> Work:
