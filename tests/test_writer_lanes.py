@@ -20,7 +20,7 @@ def ids(work: Any) -> list[int]:
 
 
 def test_turns_alternate_between_queues_whatever_one_of_them_has_waiting() -> None:
-    lanes = Lanes(max_held=10)
+    lanes = Lanes(max_held=10, max_events=100)
     for i in range(5):
         lanes.add(message("a", i))
     lanes.add(message("b", 100))
@@ -36,7 +36,7 @@ def test_turns_alternate_between_queues_whatever_one_of_them_has_waiting() -> No
 
 
 def test_a_split_half_is_its_own_turn_and_comes_before_its_queues_later_messages() -> None:
-    lanes = Lanes(max_held=10)
+    lanes = Lanes(max_held=10, max_events=100)
     lanes.add(message("a", 1, 2, 3, 4))
     lanes.add(message("a", 9))
     lanes.add(message("b", 100))
@@ -51,7 +51,7 @@ def test_a_split_half_is_its_own_turn_and_comes_before_its_queues_later_messages
 
 
 def test_held_work_waits_for_its_retry_and_a_lane_holds_at_most_max_held_messages() -> None:
-    lanes = Lanes(max_held=2)
+    lanes = Lanes(max_held=2, max_events=100)
     works = []
     for i in range(3):
         lanes.add(message("a", i))
@@ -71,7 +71,7 @@ def test_held_work_waits_for_its_retry_and_a_lane_holds_at_most_max_held_message
 def test_a_message_is_done_when_the_last_work_naming_it_is_resolved() -> None:
     m = message("a", 1, 2)
     other = message("a", 3)
-    lanes = Lanes(max_held=10)
+    lanes = Lanes(max_held=10, max_events=100)
     lanes.add(m)
     lanes.add(other)
     merged = lanes.take(0.0, max_events=10, free=1)
@@ -79,3 +79,14 @@ def test_a_message_is_done_when_the_last_work_naming_it_is_resolved() -> None:
     half = new_work("a", merged.events[:1], merged.messages)
     assert resolve(merged) == []
     assert resolve(half) == [m, other]
+
+
+def test_a_big_message_is_several_turns_of_at_most_max_events() -> None:
+    lanes = Lanes(max_held=10, max_events=3)
+    big = message("a", *range(7))
+    lanes.add(big)
+    lanes.add(message("b", 100))
+    turns = [lanes.take(0.0, max_events=3, free=1) for _ in range(4)]
+    assert [(w.queue, ids(w)) for w in turns if w] == [
+        ("a", [0, 1, 2]), ("b", [100]), ("a", [3, 4, 5]), ("a", [6])]
+    assert [resolve(w) for w in turns if w and w.queue == "a"] == [[], [], [big]]

@@ -74,7 +74,8 @@ class Writer:
         self._inbox: asyncio.Queue[Delivery | None] = asyncio.Queue()  # None: look again
         # A lane may keep a quarter of the prefetch unacked while its rows are locked: the
         # rest stays free for the other queues' messages.
-        self.lanes = Lanes(max_held=max(1, settings.writer_prefetch // 4))
+        self.lanes = Lanes(max_held=max(1, settings.writer_prefetch // 4),
+                           max_events=settings.writer_batch)
         self._busy = 0  # batches being applied
         self._slots = asyncio.Semaphore(settings.writer_concurrency)
         self._applying: set[asyncio.Task[None]] = set()

@@ -115,8 +115,9 @@ def resolve(work: Work) -> list[Received]:
 class Lanes:
     """Per-queue FIFOs of work, taken round-robin between queues."""
 
-    def __init__(self, max_held: int) -> None:
+    def __init__(self, max_held: int, max_events: int) -> None:
         self.max_held = max_held  # held messages per lane before the oldest are given up
+        self.max_events = max_events  # per work: a big message is several turns, not one
         self._pending: dict[str, deque[Work]] = {}
         self._held: dict[str, list[Work]] = {}
         self._turns: deque[str] = deque()
@@ -131,8 +132,9 @@ class Lanes:
 
     def add(self, received: Received) -> None:
         """A decoded message's events (all of the queue its routing key names)."""
-        queue = received.events[0].queue
-        self._lane(queue).append(new_work(queue, received.events, [received]))
+        queue, events = received.events[0].queue, received.events
+        for i in range(0, len(events), self.max_events):
+            self._lane(queue).append(new_work(queue, events[i:i + self.max_events], [received]))
 
     def push_front(self, work: Work) -> None:
         work.solo = True
