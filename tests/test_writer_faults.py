@@ -25,6 +25,9 @@ from triggerflow.wire import Event
 
 BURST = 5000
 PER_MESSAGE = 500
+# The test's row lock is how a fault lands mid-statement: the writer must wait for it, not
+# give up after its lock_timeout and apply around it (tests/test_writer_fairness.py does that).
+WAITS_FOR_THE_LOCK = {"writer_lock_timeout": 120}
 
 MAKE_DEFERRED = """
 WITH t AS (
@@ -124,7 +127,7 @@ async def test_writer_fault_between_commit_and_ack_applies_each_event_once(
     settings: Settings, services: SuiteServices,
 ) -> None:
     services.owned("amqp")
-    writer = procs.writer()
+    writer = procs.writer(**WAITS_FOR_THE_LOCK)
     await wait_until(lambda: db.fetchval("SELECT count(*) FROM consumer WHERE kind = 'writer'"),
                      15, message="writer registered")
     ids = await make_deferred(db, teams[0], BURST)
@@ -141,7 +144,7 @@ async def test_writer_fault_between_commit_and_ack_applies_each_event_once(
             await asyncio.sleep(0.5)
         # The lock is gone: the held statement commits; its ack cannot reach the broker.
         if fault == "sigkill":
-            writer = procs.writer()
+            writer = procs.writer(**WAITS_FOR_THE_LOCK)
         await wait_until(lambda: all_applied_once(db, BURST), 30,
                          message="every task applied once")
         assert writer.poll() is None, "the writer died"
@@ -158,7 +161,7 @@ async def test_writer_rides_out_database_errors_that_are_not_a_lost_connection(
     teams: list[str], settings: Settings, services: SuiteServices,
 ) -> None:
     services.owned("pg")
-    writer = procs.writer()
+    writer = procs.writer(**WAITS_FOR_THE_LOCK)
     await wait_until(lambda: db.fetchval("SELECT count(*) FROM consumer WHERE kind = 'writer'"),
                      15, message="writer registered")
     ids = await make_deferred(db, teams[0], 200)
@@ -189,7 +192,7 @@ async def test_writer_rides_out_its_backend_killed_mid_statement(
 ) -> None:
     """The batch's connection dies inside its transaction (what a server restart does to a
     statement in flight): the batch goes again on a new connection."""
-    writer = procs.writer()
+    writer = procs.writer(**WAITS_FOR_THE_LOCK)
     await wait_until(lambda: db.fetchval("SELECT count(*) FROM consumer WHERE kind = 'writer'"),
                      15, message="writer registered")
     ids = await make_deferred(db, teams[0], 500)

@@ -15,7 +15,7 @@ from collections import defaultdict
 from triggerflow.settings import Settings
 from triggerflow.telemetry import get_metrics
 from triggerflow.transport import Transport
-from triggerflow.wire import Event
+from triggerflow.wire import Event, split_by_size
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +30,7 @@ class EventSink:
         self.transport = transport
         self.batch = settings.event_batch
         self.linger = settings.event_linger.total_seconds()
+        self.max_message_bytes = settings.max_event_message_bytes
         self._buffer: list[Event] = []
         self._flush_handle: asyncio.TimerHandle | None = None
         self._inflight: set[asyncio.Task[None]] = set()
@@ -52,10 +53,12 @@ class EventSink:
         by_queue: dict[str, list[Event]] = defaultdict(list)
         for ev in events:
             by_queue[ev.queue].append(ev)
-        for queue, part in by_queue.items():
-            task = asyncio.get_running_loop().create_task(self._publish(queue, part))
-            self._inflight.add(task)
-            task.add_done_callback(self._inflight.discard)
+        for queue, of_queue in by_queue.items():
+            # Writers refuse messages over the cap unread: big payloads go in more messages.
+            for part in split_by_size(of_queue, self.max_message_bytes):
+                task = asyncio.get_running_loop().create_task(self._publish(queue, part))
+                self._inflight.add(task)
+                task.add_done_callback(self._inflight.discard)
 
     async def _publish(self, queue: str, events: list[Event]) -> None:
         try:

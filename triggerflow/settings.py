@@ -194,6 +194,13 @@ class Settings(BaseModel):
     writer_prefetch: int = Field(400, ge=1, description="Unacked event messages per writer.")
     writer_concurrency: int = Field(
         2, ge=1, description="Batches one writer applies at once, each on its own connection.")
+    writer_lock_timeout: Duration = Field(
+        seconds(0.5), gt=ZERO,
+        description="Seconds a batch waits for rows another transaction holds before it "
+                    "applies the free ones and retries the rest later.")
+    max_event_message_bytes: int = Field(
+        4 * 1024 * 1024, ge=262_144,
+        description="Largest event message a writer parses; larger ones are dead-lettered unread.")
     team_users: dict[str, str] = Field(
         default_factory=dict,
         description=(

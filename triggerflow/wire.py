@@ -115,7 +115,37 @@ def encode_events(events: list[Event]) -> bytes:
     return _encoder.encode(EventBatch(v=SCHEMA_VERSION, events=events))
 
 
-def decode_events(body: bytes) -> list[Event]:
+# What one event adds to a message besides its strings (ids, kind, times, punctuation).
+EVENT_OVERHEAD = 128
+
+
+def event_size_bound(ev: Event) -> int:
+    """Bytes ``ev`` can take in a message at most: a payload character takes up to 4 (UTF-8),
+    and ``"`` or ``\\`` become two once escaped inside the event."""
+    return EVENT_OVERHEAD + 4 * len(ev.payload) + len(ev.queue) + len(ev.traceparent or "")
+
+
+def split_by_size(events: list[Event], max_bytes: int) -> list[list[Event]]:
+    """``events`` in order, cut into parts whose messages stay within ``max_bytes`` (what a
+    writer parses), so a conforming publisher is never refused for size."""
+    parts: list[list[Event]] = [[]]
+    size = 0
+    for ev in events:
+        n = event_size_bound(ev)
+        if parts[-1] and size + n > max_bytes:
+            parts.append([])
+            size = 0
+        parts[-1].append(ev)
+        size += n
+    return parts
+
+
+def decode_events(body: bytes, max_bytes: int | None = None) -> list[Event]:
+    """The events of one message; any failure is a :class:`WireError`. A body over
+    ``max_bytes`` is refused before it is parsed: a team's flood costs a length check."""
+    if max_bytes is not None and len(body) > max_bytes:
+        raise WireError(f"event message of {len(body)} bytes, over the {max_bytes}-byte cap; "
+                        f"not parsed")
     events = _decode(_batch_decoder, body, "event batch", MAX_MESSAGE_BYTES).events
     # One set per batch, not a __post_init__ per event: that Python call ran for every event
     # a consumer built and a writer decoded.

@@ -33,18 +33,19 @@ def kwargs_codec(settings: Settings) -> KwargsCodec:
     return KwargsCodec.from_secrets(settings.kwargs_key, settings.kwargs_keys)
 
 
-async def connect_store(settings: Settings, *, max_size: int | None = None) -> Store:
+async def connect_store(settings: Settings, *, max_size: int | None = None,
+                        lock_timeout: float | None = None) -> Store:
     """The store ``settings`` ask for, connected (native mode: PostgreSQL; ``airflow``:
-    Airflow's metadata database)."""
+    Airflow's metadata database). ``lock_timeout``: the writer's bound on row-lock waits."""
     if settings.airflow:
         from triggerflow.airflow import serve
 
-        return await serve.connect_store(settings, max_size=max_size)
+        return await serve.connect_store(settings, max_size=max_size, lock_timeout=lock_timeout)
     from triggerflow.store.postgres import PostgresStore
 
     return await PostgresStore.connect(
         settings.database_dsn(), max_size=max_size or settings.db_pool_size,
-        pgbouncer=settings.pgbouncer, codec=kwargs_codec(settings))
+        pgbouncer=settings.pgbouncer, codec=kwargs_codec(settings), lock_timeout=lock_timeout)
 
 
 def make_transport(settings: Settings, *, name: str) -> Transport:
@@ -77,7 +78,8 @@ def consumer_connection_name(queues: list[str]) -> str:
     return f"{CONSUMER_CONNECTION}{','.join(queues)}@{socket.gethostname()}:{os.getpid()}"
 
 
-async def _connect_store_retrying(settings: Settings, stop: asyncio.Event) -> Store | None:
+async def _connect_store_retrying(settings: Settings, stop: asyncio.Event,
+                                  lock_timeout: float | None = None) -> Store | None:
     """The store once it answers (None: stopped first). Retries, a bounded number of times,
     while it is unreachable (then its last StoreUnavailable: the CLI's one line names the
     setting) or refuses our credentials (then StoreAccessRefused); readiness names the
@@ -90,7 +92,7 @@ async def _connect_store_retrying(settings: Settings, stop: asyncio.Event) -> St
         async for attempt in refusals.retrying(
                 StoreError, wait_exponential_jitter(multiplier=0.5, max=5, jitter=0.5)):
             with attempt:
-                return await connect_store(settings)
+                return await connect_store(settings, lock_timeout=lock_timeout)
         raise AssertionError("unreachable: the retrying re-raises its last error")
 
     connecting = asyncio.ensure_future(connect())
@@ -104,10 +106,11 @@ async def _connect_store_retrying(settings: Settings, stop: asyncio.Event) -> St
 
 
 async def _serve(settings: Settings, stop: asyncio.Event,
-                 serve: Callable[[Store], Awaitable[int]]) -> int:
+                 serve: Callable[[Store], Awaitable[int]], *,
+                 lock_timeout: float | None = None) -> int:
     """``serve`` on the store once connected; 1 with one line when the store refused us."""
     try:
-        store = await _connect_store_retrying(settings, stop)
+        store = await _connect_store_retrying(settings, stop, lock_timeout)
     except StoreAccessRefused as exc:
         report_refused(exc)
         return 1
@@ -137,7 +140,8 @@ async def _consume(settings: Settings, store: Store, stop: asyncio.Event) -> int
 
 async def serve_writer(settings: Settings, stop: asyncio.Event) -> int:
     """Run a writer on the real store and transport until ``stop``; its exit code."""
-    return await _serve(settings, stop, lambda store: _write(settings, store, stop))
+    return await _serve(settings, stop, lambda store: _write(settings, store, stop),
+                        lock_timeout=settings.writer_lock_timeout.total_seconds())
 
 
 async def _write(settings: Settings, store: Store, stop: asyncio.Event) -> int:

@@ -35,10 +35,12 @@ from triggerflow.transport import Transport, TransportError
 log = logging.getLogger(__name__)
 
 
-async def connect_store(settings: Settings, *, max_size: int | None = None) -> AirflowStore:
+async def connect_store(settings: Settings, *, max_size: int | None = None,
+                        lock_timeout: float | None = None) -> AirflowStore:
     return await AirflowStore.connect(settings.database_dsn(),
                                       default_queue=settings.default_queue,
-                                      max_size=max_size or settings.db_pool_size)
+                                      max_size=max_size or settings.db_pool_size,
+                                      lock_timeout=lock_timeout)
 
 
 def _airflow(store: Store) -> AirflowStore:

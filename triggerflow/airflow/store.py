@@ -77,17 +77,20 @@ class AirflowStore:
         self.dsn = dsn  # for the events Airflow's own code applies (orm.py)
         # Applied batches' trigger rows, deleted after the burst (see unused.py).
         self.unused = UnusedTriggers(self._clean_unused_of)
+        self.lock_timeout: float | None = None  # the writer's, on every pooled session
 
     @classmethod
     async def connect(cls, dsn: str, *, default_queue: str | None = None,
-                      max_size: int = 4) -> AirflowStore:
+                      max_size: int = 4, lock_timeout: float | None = None) -> AirflowStore:
         # keep_session: without it asyncpg's reset query is four more statements after
         # every call (measured: 5 statements/s per idle process instead of 1).
         async with store_errors(_REFUSED):
             pool = await asyncpg.create_pool(
                 dsn, min_size=1, max_size=max_size, reset=keep_session,
-                server_settings=session_settings("triggerflow-airflow"))
-        return cls(pool, dsn, default_queue)
+                server_settings=session_settings("triggerflow-airflow", lock_timeout=lock_timeout))
+        store = cls(pool, dsn, default_queue)
+        store.lock_timeout = lock_timeout
+        return store
 
     async def close(self) -> None:
         await self.unused.close()
@@ -207,9 +210,25 @@ class AirflowStore:
 
     async def apply_events(self, events: Sequence[Event]) -> list[Applied]:
         """``Event.payload`` is the body ``codec`` encoded (see ``events.AirflowEvent``)."""
+        applied, _ = await self._apply(events, skip_held=False)
+        return applied
+
+    async def apply_unlocked(self, events: Sequence[Event]) -> tuple[list[Applied], list[Event]]:
+        return await self._apply(events, skip_held=True)
+
+    async def _apply(self, events: Sequence[Event],
+                     skip_held: bool) -> tuple[list[Applied], list[Event]]:
         batch = [AirflowEvent(e.trigger_id, e.attempt, e.queue, e.kind, e.payload, e.fired_at)
                  for e in events]
-        async with self._errors(), self.pool.acquire() as conn:
+        held: set[int] = set()
+        # The hot path stays one transaction of its own; an outer one only when skipping.
+        async with (self._errors(), self.pool.acquire() as conn,
+                    conn.transaction() if skip_held else contextlib.nullcontext()):
+            if skip_held:  # lock what is free first (SKIP LOCKED), as the native store does
+                held = {r["id"] for r in await conn.fetch(
+                    sql.HELD_ELSEWHERE, [e.trigger_id for e in batch],
+                    [e.attempt for e in batch], [e.queue for e in batch], self.default_queue)}
+                batch = [e for e in batch if e.trigger_id not in held]
             rows = await apply_airflow_events(conn, batch, self.default_queue, clean=False)
         self.unused.add(e.trigger_id for e in batch)
         applied = [Applied(r["kind"], r["queue"], r["latency"]) for r in rows]
@@ -227,7 +246,7 @@ class AirflowStore:
             except SQLAlchemyError as exc:
                 raise StoreError(repr(exc)) from exc
             applied += [Applied(e.kind, e.queue, time.time() - e.fired_at) for e in done]
-        return applied
+        return applied, [e for e in events if e.trigger_id in held]
 
     # -- reaper ----------------------------------------------------------------------------
 
@@ -243,24 +262,41 @@ class AirflowStore:
 
     async def resend_unclaimed(self, queues: Sequence[str] | None, grace: float,
                                limit: int) -> list[TriggerRef]:
-        rows = await self._fetch(sql.RESEND_UNCLAIMED, *_scope(queues), grace, limit,
-                                 self.default_queue)
+        rows = await self._fetch_waiting(sql.RESEND_UNCLAIMED, *_scope(queues), grace, limit,
+                                         self.default_queue)
         return [TriggerRef(r["id"], r["queue"]) for r in rows]
 
     async def mark_published(self, ids: Sequence[int]) -> None:
         """Wake-ups sent for these rows (by the NOTIFY listener): the backstop skips them."""
-        await self._execute(sql.MARK_PUBLISHED, list(ids))
+        await self._fetch_waiting(sql.MARK_PUBLISHED, list(ids))
 
     async def time_out_orphans(self, queues: Sequence[str] | None,
                                max_deferral: float) -> list[TriggerRef]:
         return []  # Airflow's scheduler times deferred tasks out (check_trigger_timeouts)
 
+    async def _wait_for_locks(self, conn: asyncpg.Connection) -> None:
+        """Housekeeping off the hot path waits for row locks as before: the writer's
+        ``lock_timeout`` is for its batches, which must not wait behind a team's locks (the
+        backstop's re-send, failing on a burst's row locks, also skipped its clean)."""
+        if self.lock_timeout is not None:
+            await conn.execute("SET LOCAL lock_timeout = 0")
+
+    async def _fetch_waiting(self, query: str, *args: Any) -> list[asyncpg.Record]:
+        """``_fetch`` for housekeeping: one statement when no ``lock_timeout`` is set."""
+        if self.lock_timeout is None:
+            return await self._fetch(query, *args)
+        async with self._errors(), self.pool.acquire() as conn, conn.transaction():
+            await self._wait_for_locks(conn)
+            rows: list[asyncpg.Record] = await conn.fetch(query, *args)
+            return rows
+
     async def _clean_unused_of(self, ids: list[int]) -> None:
-        await self._execute(CLEAN_UNUSED, ids)
+        await self._fetch_waiting(CLEAN_UNUSED, ids)
 
     async def clean_unused(self) -> int:
         """``Trigger.clean_unused``, whole-table; returns how many trigger rows went."""
         async with self._errors(), self.pool.acquire() as conn, conn.transaction():
+            await self._wait_for_locks(conn)
             await conn.execute(sql.DETACH_FINISHED)
             return int(await conn.fetchval(sql.DELETE_UNUSED))
 

@@ -48,6 +48,12 @@ class EventRefused(StoreError):
     """``apply_events`` refused the content of at least one event of the batch."""
 
 
+class EventsLocked(StoreError):
+    """``apply_events`` gave up waiting (the writer's ``lock_timeout``) for rows another
+    transaction holds, such as a team's own ``SELECT ... FOR UPDATE`` on its tasks. Nothing
+    was applied: ``apply_unlocked`` applies what is free and names the rest."""
+
+
 class ProcessKind(StrEnum):
     CONSUMER = "consumer"
     WRITER = "writer"
@@ -252,7 +258,13 @@ class Store(Protocol):
 
     async def apply_events(self, events: Sequence[Event]) -> list[Applied]:
         """Apply a batch in one transaction, fenced by attempt and queue; stale, duplicate
-        or unknown events change nothing. Raises :class:`EventRefused` on bad content."""
+        or unknown events change nothing. Raises :class:`EventRefused` on bad content,
+        :class:`EventsLocked` when rows held elsewhere outlast the lock timeout."""
+        ...
+
+    async def apply_unlocked(self, events: Sequence[Event]) -> tuple[list[Applied], list[Event]]:
+        """As ``apply_events``, never waiting for a row lock: applies the events whose rows no
+        other transaction holds and returns (applied, the events whose rows are held)."""
         ...
 
     # -- reaper (``queues`` None: every queue) --------------------------------------------

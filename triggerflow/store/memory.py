@@ -309,6 +309,9 @@ class MemoryStore:
             applied.append(Applied(ev.kind, ev.queue, max(0.0, time.time() - ev.fired_at)))
         return applied
 
+    async def apply_unlocked(self, events: Sequence[Event]) -> tuple[list[Applied], list[Event]]:
+        return await self.apply_events(events), []  # nothing here holds a row
+
     def _move(self, task: StoredTask, kind: str, payload: Any) -> None:
         if kind == "resume":
             task.state = TaskState.SCHEDULED

@@ -71,9 +71,11 @@ class PostgresStore:
 
     @classmethod
     async def connect(cls, dsn: str, *, max_size: int = 4, pgbouncer: bool = False,
-                      codec: KwargsCodec | None = None) -> PostgresStore:
+                      codec: KwargsCodec | None = None,
+                      lock_timeout: float | None = None) -> PostgresStore:
         async with store_errors():
-            pool = await create_pool(dsn, max_size=max_size, pgbouncer=pgbouncer)
+            pool = await create_pool(dsn, max_size=max_size, pgbouncer=pgbouncer,
+                                     lock_timeout=lock_timeout)
         return cls(pool, codec, lease_dsn=dsn, pgbouncer=pgbouncer)
 
     async def close(self) -> None:
@@ -216,12 +218,16 @@ class PostgresStore:
 
     # -- writer --------------------------------------------------------------------------
 
-    async def apply_events(self, events: Sequence[Event]) -> list[Applied]:
-        args = (
+    @staticmethod
+    def _columns(events: Sequence[Event]) -> tuple[list[Any], ...]:
+        return (
             [e.trigger_id for e in events], [e.attempt for e in events],
             [e.queue for e in events], [e.kind for e in events],
             [e.payload for e in events], [e.fired_at for e in events],
         )
+
+    async def apply_events(self, events: Sequence[Event]) -> list[Applied]:
+        args = self._columns(events)
         rows: list[Record] = []
         async with self._errors():
             async for attempt in AsyncRetrying(
@@ -232,6 +238,17 @@ class PostgresStore:
                     async with self.pool.acquire() as conn:
                         rows = await conn.fetch(sql.APPLY_EVENTS, *args)
         return [Applied(r["kind"], r["queue"], r["latency"]) for r in rows]
+
+    async def apply_unlocked(self, events: Sequence[Event]) -> tuple[list[Applied], list[Event]]:
+        # Never waits: the rows it applies are locked first with SKIP LOCKED, so no deadlock
+        # retry is needed either.
+        columns = self._columns(events)
+        async with self._errors(), self.pool.acquire() as conn, conn.transaction():
+            held = {r["id"] for r in await conn.fetch(sql.HELD_ELSEWHERE, *columns[:3])}
+            free = [e for e in events if e.trigger_id not in held]
+            rows = await conn.fetch(sql.APPLY_EVENTS, *self._columns(free)) if free else []
+        return ([Applied(r["kind"], r["queue"], r["latency"]) for r in rows],
+                [e for e in events if e.trigger_id in held])
 
     # -- reaper ----------------------------------------------------------------------------
 
