@@ -1,0 +1,168 @@
+"""Dead owners: blame only for a witnessed death, probation in halves, quarantine, the
+reaping consumer's take-over scope, and the orphan slack. Every store, the same cases."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.contract.backends import Backend, register
+from tests.contract.conftest import only
+from tests.contract.events import event
+from triggerflow.store import Taker
+
+A, B = "team-a", "team-b"
+TTL = 2.0
+
+
+async def live_through(backend: Backend, seconds: float, *alive: int) -> None:
+    """Let ``seconds`` pass while the ``alive`` consumers (of queue A) keep renewing."""
+    left = seconds
+    while left > 0:
+        step = min(1.0, left)
+        await backend.travel(step)
+        left -= step
+        for me in alive:
+            assert await backend.store.renew(me, TTL, 0, [A]) is not None
+
+
+async def dies_holding(backend: Backend, ids: list[int], witness: int,
+                       queues: list[str] | None = None) -> int:
+    """A consumer that claims ``ids`` and dies while ``witness`` stays alive."""
+    me = await register(backend, queues or [A], TTL)
+    claimed = (await backend.store.claim(me, ids, queues or [A])).claimed
+    assert sorted(s.id for s in claimed) == sorted(ids)
+    await live_through(backend, 3, witness)
+    return me
+
+
+def freed(reaped: object) -> list[tuple[int, int, bool]]:
+    return sorted((f.id, f.failures, f.quarantined) for f in reaped.freed)  # type: ignore[attr-defined]
+
+
+async def test_witnessed_deaths_make_suspects_and_probation_finds_the_killer(
+    backend: Backend,
+) -> None:
+    store = backend.store
+    t1, t2 = await backend.defer(A), await backend.defer(A)
+    witness = await register(backend, [A], TTL)
+    for losses in (1, 2):
+        await dies_holding(backend, [t1, t2], witness)
+        reaped = await store.reap_dead([A], max_failures=5)
+        assert reaped.dead_owners == 1
+        assert freed(reaped) == [(t1, losses, False), (t2, losses, False)]
+
+    # Lost twice: suspects, never claimed by an ordinary claim.
+    prober = await register(backend, [A], TTL)
+    found = await store.claim(prober, [t1, t2], [A])
+    assert (found.claimed, sorted(found.suspects)) == ([], [t1, t2])
+    [spec] = await store.claim_probation(prober, [A])  # half of them: the first
+    assert (spec.id, spec.attempt) == (t1, 3)
+    other = await register(backend, [A], TTL)
+    held = await store.claim(other, [t1, t2], [A])
+    assert (held.claimed, held.suspects) == ([], [t2])  # t1 runs on probation elsewhere
+
+    # The prober dies with t1 alone on probation: t1 is the killer, quarantined at once.
+    await live_through(backend, 3, witness, other)
+    reaped = await store.reap_dead([A], max_failures=5)
+    assert freed(reaped) == [(t1, 3, True)]
+    task = await backend.task(t1)
+    assert (task.state, task.next_method) == ("scheduled", "__fail__")
+    assert (await store.claim(other, [t1], [A])).claimed == []
+    assert await store.claim_probation(other, [A]) != []  # t2 now
+    await store.clear_probation(other, [t2])
+    assert await store.release(other, [t2]) != []
+    [spec] = (await store.claim(other, [t2], [A])).claimed  # cleared: an ordinary claim
+    assert (spec.id, spec.attempt) == (t2, 4)
+    assert (await backend.task(t2)).state == "deferred"
+
+
+async def test_a_trigger_blamed_max_failures_times_is_quarantined(backend: Backend) -> None:
+    t = await backend.defer(A)
+    witness = await register(backend, [A], TTL)
+    await dies_holding(backend, [t], witness)
+    reaped = await backend.store.reap_dead([A], max_failures=1)
+    assert freed(reaped) == [(t, 1, True)]
+    task = await backend.task(t)
+    assert (task.state, task.next_method) == ("scheduled", "__fail__")
+    assert await backend.store.resend_unclaimed(None, 0, 10) == []  # never re-sent
+
+
+async def test_a_death_nobody_witnessed_blames_no_trigger(backend: Backend) -> None:
+    store = backend.store
+    t = await backend.defer(A)
+    # Alive throughout, but on a longer lease: its renewals prove nothing about a 2 s lease.
+    long_lease = await register(backend, [A], ttl=60)
+    owner = await register(backend, [A], TTL)
+    await store.claim(owner, [t], [A])
+    await backend.travel(3)  # the owner expires
+    await register(backend, [A], TTL)  # alive now, but started after the owner expired
+    reaped = await store.reap_dead([A], max_failures=1)
+    assert reaped.dead_owners == 1
+    assert freed(reaped) == [(t, 0, False)]
+    assert await store.renew(long_lease, 60, 0, [A]) is not None
+    assert (await backend.task(t)).state == "deferred"
+
+
+async def test_reap_dead_reaps_only_owners_of_the_given_queues(backend: Backend) -> None:
+    t = await backend.defer(B)
+    witness = await register(backend, [A, B], TTL)
+    owner = await register(backend, [B], TTL)
+    await backend.store.claim(owner, [t], [B])
+    await live_through(backend, 3, witness)
+    assert (await backend.store.reap_dead([A], max_failures=5)).freed == []
+    reaped = await backend.store.reap_dead(None, max_failures=5)
+    assert [f.id for f in reaped.freed] == [t]
+
+
+@pytest.mark.parametrize("room", [2, 10])
+async def test_a_reaping_consumer_takes_over_only_what_it_may_run(
+    backend: Backend, room: int,
+) -> None:
+    store = backend.store
+    taker = await register(backend, [A], TTL)
+    suspect = await backend.defer(A)
+    await dies_holding(backend, [suspect], taker)  # lost once before: twice after this death
+    await store.reap_dead([A], max_failures=5)
+    refused = await backend.defer(A)
+    await store.claim(taker, [refused], [A])
+    await store.release(taker, [refused], cannot_load=True)
+    mine = [await backend.defer(A) for _ in range(4)]
+    theirs = await backend.defer(B)
+    await dies_holding(backend, [*mine, theirs, refused, suspect], taker, [A, B])
+
+    reaped = await store.reap_dead([A], max_failures=5, taker=Taker(taker, room))
+    if backend.name == "airflow":  # the protocol lets a store take none and free them all
+        assert reaped.taken == []
+        assert sorted(f.id for f in reaped.freed) == sorted([*mine, theirs, refused, suspect])
+        return
+    taken = mine[:room]
+    assert sorted((s.id, s.attempt) for s in reaped.taken) == [(t, 2) for t in taken]
+    assert sorted(f.id for f in reaped.freed) == sorted(
+        [*mine[room:], theirs, refused, suspect])
+    # Taken means owned by the taker at the raised attempt: nobody else claims them, and
+    # the taker's events apply.
+    other = await register(backend, [A], 30)
+    assert (await store.claim(other, taken, [A])).claimed == []
+    assert len(await store.apply_events([event(t, 2, A) for t in taken])) == len(taken)
+
+
+async def test_a_task_past_its_timeout_fails_only_after_the_orphan_slack(
+    backend: Backend,
+) -> None:
+    only(backend, "memory", "postgres",
+         why="Airflow's scheduler times deferred tasks out (time_out_orphans does nothing)")
+    store = backend.store
+    t = await backend.defer(A, timeout=10)
+    u = await backend.defer(B, timeout=10)
+    owner = await register(backend, [A], 60)
+    await store.claim(owner, [t], [A])  # held by a live owner: past its timeout all the same
+    await backend.travel(11)
+    assert await store.time_out_orphans(None, 3600) == []  # 1 s late: within the slack
+    assert (await backend.task(t)).state == "deferred"
+    await backend.travel(2)
+    assert await store.time_out_orphans([A], 3600) == [t]  # of its queue only
+    task = await backend.task(t)
+    assert (task.state, task.next_method) == ("scheduled", "__fail__")
+    assert task.next_kwargs["error"] == "Trigger timeout"
+    assert (await backend.task(u)).state == "deferred"
+    assert await store.time_out_orphans(None, 3600) == [u]

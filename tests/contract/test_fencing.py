@@ -1,0 +1,123 @@
+"""Fencing by attempt and by queue, claims against live and expired owners, and releases
+at exact attempts only: every store, the same cases."""
+
+from __future__ import annotations
+
+from tests.contract.backends import NEXT_KWARGS, Backend, register
+from tests.contract.events import PAYLOAD, event
+from triggerflow.store import TriggerRef
+
+A, B = "team-a", "team-b"
+
+
+async def test_an_event_applies_only_at_the_current_attempt(backend: Backend) -> None:
+    store = backend.store
+    t = await backend.defer(A)
+    first = await register(backend, [A], ttl=2)
+    [spec] = (await store.claim(first, [t], [A])).claimed
+    assert spec.attempt == 1
+    await backend.travel(3)  # first's lease expires
+    second = await register(backend, [A], ttl=30)
+    [spec] = (await store.claim(second, [t], [A])).claimed
+    assert spec.attempt == 2  # the second claim raised the attempt: first is fenced
+
+    assert await store.apply_events([event(t, 1, A)]) == []  # the fenced owner's event
+    assert await store.apply_events([event(t, 3, A)]) == []  # an attempt nobody holds
+    assert (await backend.task(t)).state == "deferred"
+
+    applied = await store.apply_events([event(t, 2, A)])
+    assert [(a.kind, a.queue) for a in applied] == [("resume", A)]
+    after = await backend.task(t)
+    assert after.state == "scheduled"
+    assert after.next_kwargs == {**NEXT_KWARGS, "event": PAYLOAD}
+    # Applied again (a redelivery): no change.
+    assert await store.apply_events([event(t, 2, A, payload={"other": 1})]) == []
+    assert await backend.task(t) == after
+
+
+async def test_an_event_naming_another_queue_than_its_trigger_changes_nothing(
+    backend: Backend,
+) -> None:
+    store = backend.store
+    t = await backend.defer(A)
+    u = await backend.defer(B)
+    me = await register(backend, [A, B], ttl=30)
+    claimed = (await store.claim(me, [t, u], [A, B])).claimed
+    assert sorted((s.id, s.attempt) for s in claimed) == [(t, 1), (u, 1)]
+
+    # Team B names A's trigger at its current attempt, under its own queue.
+    assert await store.apply_events([event(t, 1, B)]) == []
+    assert (await backend.task(t)).state == "deferred"
+    assert [a.queue for a in await store.apply_events([event(t, 1, A)])] == [A]
+    assert (await backend.task(t)).state == "scheduled"
+    assert (await backend.task(u)).state == "deferred"
+
+
+async def test_a_live_owner_keeps_its_trigger_and_an_expired_one_loses_it(
+    backend: Backend,
+) -> None:
+    store = backend.store
+    t = await backend.defer(A)
+    owner = await register(backend, [A], ttl=2)
+    peer = await register(backend, [A], ttl=60)
+    assert [s.attempt for s in (await store.claim(owner, [t], [A])).claimed] == [1]
+
+    refused = await store.claim(peer, [t], [A])
+    assert (refused.claimed, refused.suspects, refused.refused) == ([], [], [])
+    assert (await store.claim(owner, [t], [A])).claimed == []  # not even again by its owner
+    assert (await store.claim(peer, [t], [B])).claimed == []  # nor for another queue
+
+    await backend.travel(3)  # the owner's lease is over; the peer's is not
+    assert await store.renew(owner, 2, 1, [A]) is None  # fenced
+    [spec] = (await store.claim(peer, [t], [A])).claimed
+    assert (spec.id, spec.attempt, spec.queue) == (t, 2, A)
+
+
+async def test_release_and_release_lost_act_on_exact_owners_and_attempts_only(
+    backend: Backend,
+) -> None:
+    store = backend.store
+    t = await backend.defer(A)
+    me = await register(backend, [A], ttl=30)
+    other = await register(backend, [A], ttl=30)
+    await store.claim(me, [t], [A])
+
+    assert await store.release_lost(me, [t], [2]) == []  # not the attempt I run
+    assert await store.release_lost(other, [t], [1]) == []  # not mine
+    assert await store.release(other, [t]) == []
+    assert (await store.claim(other, [t], [A])).claimed == []  # still held by me
+
+    assert await store.release_lost(me, [t], [1]) == [TriggerRef(t, A)]
+    assert await store.release_lost(me, [t], [1]) == []  # idempotent
+    [spec] = (await store.claim(other, [t], [A])).claimed
+    assert spec.attempt == 2
+
+    assert await store.release(me) == []  # I hold nothing now
+    assert await store.release(other, [t]) == [TriggerRef(t, A)]
+    assert await store.release(other, [t]) == []  # idempotent
+    [spec] = (await store.claim(me, [t], [A])).claimed
+    assert spec.attempt == 3
+    assert await store.release(me) == [TriggerRef(t, A)]  # all of mine
+
+
+async def test_a_trigger_i_cannot_load_is_passed_on_then_failed_when_nobody_can(
+    backend: Backend,
+) -> None:
+    store = backend.store
+    t = await backend.defer(A)
+    me = await register(backend, [A], ttl=30)
+    await register(backend, [A], ttl=2)  # a peer that may still load it
+    await store.claim(me, [t], [A])
+    assert await store.other_loaders(t, me) == 1
+    assert await store.release(me, [t], cannot_load=True, reason="no module x") == [
+        TriggerRef(t, A)]
+    again = await store.claim(me, [t], [A])
+    assert (again.claimed, again.refused) == ([], [TriggerRef(t, A)])
+    assert await store.fail_unloadable(me, [t]) == []  # the peer may still load it
+
+    await backend.travel(3)  # the peer is gone: nobody left who has not refused it
+    assert await store.other_loaders(t, me) == 0
+    assert await store.fail_unloadable(me, [t]) == [t]
+    task = await backend.task(t)
+    assert (task.state, task.next_method) == ("scheduled", "__fail__")
+    assert "no module x" in str(task.next_kwargs)
