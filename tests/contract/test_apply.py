@@ -141,3 +141,22 @@ async def test_cancel_moves_the_task_and_drops_unowned_triggers_at_once(
     assert (await store.claim(peer, [free], [A])).claimed == []
     assert await store.sweep_cancelled(owner) == [held]
     assert await store.cancel([free, held], "removed") == []
+
+
+async def test_cancelling_a_task_that_already_left_deferred_moves_nothing(
+    backend: Backend,
+) -> None:
+    only(backend, "memory", "postgres",
+         why="in Airflow mode tasks are cleared or marked through Airflow (cancel refuses)")
+    t = await backend.defer(A)
+    await backend.end_task(t, "success")
+    assert [(c.id, c.owner, c.moved) for c in await backend.store.cancel([t], "removed")] == [
+        (t, None, False)]
+    assert (await backend.task(t)).state == "success"
+
+
+async def test_a_stale_event_is_ignored_whatever_its_content(backend: Backend) -> None:
+    t, _ = await claimed(backend)
+    assert await backend.store.apply_events([event(t, 2, A, payload="{not json")]) == []
+    assert await backend.store.apply_events([event(t, 1, B, payload="{not json")]) == []
+    assert (await backend.task(t)).state == "deferred"

@@ -166,3 +166,22 @@ async def test_a_task_past_its_timeout_fails_only_after_the_orphan_slack(
     assert task.next_kwargs["error"] == "Trigger timeout"
     assert (await backend.task(u)).state == "deferred"
     assert await store.time_out_orphans(None, 3600) == [u]
+
+
+async def test_a_probation_claim_that_finds_nothing_records_an_empty_group(
+    backend: Backend,
+) -> None:
+    store = backend.store
+    suspect, ordinary = await backend.defer(A), await backend.defer(A)
+    witness = await register(backend, [A], TTL)
+    for _ in range(2):
+        await dies_holding(backend, [suspect], witness)
+        await store.reap_dead([A], max_failures=5)
+    prober = await register(backend, [A], TTL)
+    assert [s.id for s in await store.claim_probation(prober, [A])] == [suspect]
+    assert await store.claim_probation(prober, [A]) == []  # the group is now empty
+    await store.claim(prober, [ordinary], [A])
+    # It dies with no group on record: everything it held is blamed, nothing alone.
+    await live_through(backend, 3, witness)
+    reaped = await store.reap_dead([A], max_failures=5)
+    assert freed(reaped) == [(suspect, 3, False), (ordinary, 1, False)]
