@@ -87,17 +87,20 @@ async def test_release_and_release_lost_act_on_exact_owners_and_attempts_only(
     assert await store.release(other, [t]) == []
     assert (await store.claim(other, [t], [A])).claimed == []  # still held by me
 
-    assert await store.release_lost(me, [t], [1]) == [TriggerRef(t, A)]
+    kept = await backend.defer(A)
+    await store.claim(me, [kept], [A])
+    assert await store.release_lost(me, [t], [1]) == [TriggerRef(t, A)]  # that row only
     assert await store.release_lost(me, [t], [1]) == []  # idempotent
+    assert (await store.claim(other, [kept], [A])).claimed == []
     [spec] = (await store.claim(other, [t], [A])).claimed
     assert spec.attempt == 2
 
-    assert await store.release(me) == []  # I hold nothing now
+    assert await store.release(me, [t]) == []  # not mine now
     assert await store.release(other, [t]) == [TriggerRef(t, A)]
     assert await store.release(other, [t]) == []  # idempotent
     [spec] = (await store.claim(me, [t], [A])).claimed
     assert spec.attempt == 3
-    assert await store.release(me) == [TriggerRef(t, A)]  # all of mine
+    assert sorted(r.id for r in await store.release(me)) == sorted([t, kept])  # all of mine
 
 
 async def test_a_trigger_i_cannot_load_is_passed_on_then_failed_when_nobody_can(
