@@ -95,6 +95,10 @@ class MemoryBackend:
     async def end_task(self, trigger_id: int, state: str) -> None:
         self.memory.task(self._keys[trigger_id]).state = state
 
+    async def untime(self, trigger_id: int) -> None:
+        """The task waits with no timeout (as a row an older SDK stored)."""
+        self.memory.task(self._keys[trigger_id]).trigger_timeout = None
+
     async def close(self) -> None:
         await self.store.close()
 
@@ -163,3 +167,7 @@ class NativeBackend(MemoryBackend):
     async def end_task(self, trigger_id: int, state: str) -> None:
         await _execute(self.dsn, "UPDATE task_instance SET state = $1 WHERE trigger_id = $2",
                        args=(state, trigger_id))
+
+    async def untime(self, trigger_id: int) -> None:
+        await _execute(self.dsn, "UPDATE task_instance SET trigger_timeout = NULL "
+                                 "WHERE trigger_id = $1", args=(trigger_id,))

@@ -21,6 +21,13 @@ async def claimed(backend: Backend, queue: str = A) -> tuple[int, int]:
     return t, me
 
 
+async def held_elsewhere(backend: Backend, me: int) -> int:
+    """One more trigger ``me`` holds, whose task stays deferred."""
+    t = await backend.defer(A)
+    assert [s.id for s in (await backend.store.claim(me, [t], [A])).claimed] == [t]
+    return t
+
+
 async def test_resume_schedules_the_task_with_the_event_payload(backend: Backend) -> None:
     t, _ = await claimed(backend)
     [applied] = await backend.store.apply_events([event(t, 1, A)])
@@ -116,6 +123,7 @@ async def test_the_cancel_sweep_drops_what_its_owner_holds_for_ended_tasks(
 ) -> None:
     t, me = await claimed(backend)
     u, other = await claimed(backend)
+    await held_elsewhere(backend, me)
     assert await backend.store.sweep_cancelled(me) == []
     await backend.end_task(t, "success")
     await backend.end_task(u, "success")

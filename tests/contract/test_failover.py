@@ -3,6 +3,8 @@ reaping consumer's take-over scope, and the orphan slack. Every store, the same 
 
 from __future__ import annotations
 
+from typing import Protocol, cast
+
 import pytest
 
 from tests.contract.backends import Backend, register
@@ -57,6 +59,8 @@ async def test_witnessed_deaths_make_suspects_and_probation_finds_the_killer(
     assert (found.claimed, sorted(found.suspects)) == ([], [t1, t2])
     [spec] = await store.claim_probation(prober, [A])  # half of them: the first
     assert (spec.id, spec.attempt) == (t1, 3)
+    innocent = await backend.defer(A)  # held beside the group: not blamed for its death
+    assert [s.id for s in (await store.claim(prober, [innocent], [A])).claimed] == [innocent]
     other = await register(backend, [A], TTL)
     held = await store.claim(other, [t1, t2], [A])
     assert (held.claimed, held.suspects) == ([], [t2])  # t1 runs on probation elsewhere
@@ -64,11 +68,12 @@ async def test_witnessed_deaths_make_suspects_and_probation_finds_the_killer(
     # The prober dies with t1 alone on probation: t1 is the killer, quarantined at once.
     await live_through(backend, 3, witness, other)
     reaped = await store.reap_dead([A], max_failures=5)
-    assert freed(reaped) == [(t1, 3, True)]
+    assert freed(reaped) == [(t1, 3, True), (innocent, 0, False)]
     task = await backend.task(t1)
     assert (task.state, task.next_method) == ("scheduled", "__fail__")
+    assert (await backend.task(t2)).state == "deferred"
     assert (await store.claim(other, [t1], [A])).claimed == []
-    assert await store.claim_probation(other, [A]) != []  # t2 now
+    assert [s.id for s in await store.claim_probation(other, [A])] == [t2]
     await store.clear_probation(other, [t2])
     assert await store.release(other, [t2]) != []
     [spec] = (await store.claim(other, [t2], [A])).claimed  # cleared: an ordinary claim
@@ -77,13 +82,19 @@ async def test_witnessed_deaths_make_suspects_and_probation_finds_the_killer(
 
 
 async def test_a_trigger_blamed_max_failures_times_is_quarantined(backend: Backend) -> None:
-    t = await backend.defer(A)
+    t, ended = await backend.defer(A), await backend.defer(A)
     witness = await register(backend, [A], TTL)
-    await dies_holding(backend, [t], witness)
-    reaped = await backend.store.reap_dead([A], max_failures=1)
-    assert freed(reaped) == [(t, 1, True)]
+    owner = await register(backend, [A], TTL)
+    await backend.store.claim(owner, [t, ended], [A])
+    await backend.end_task(ended, "success")  # by hand, while its trigger still runs
+    await live_through(backend, 3, witness)
+    # A reaping consumer with room takes over nothing quarantined.
+    reaped = await backend.store.reap_dead([A], max_failures=1, taker=Taker(witness, 10))
+    assert reaped.taken == []
+    assert freed(reaped) == [(t, 1, True), (ended, 1, True)]
     task = await backend.task(t)
     assert (task.state, task.next_method) == ("scheduled", "__fail__")
+    assert (await backend.task(ended)).state == "success"  # not deferred: left alone
     assert await backend.store.resend_unclaimed(None, 0, 10) == []  # never re-sent
 
 
@@ -93,11 +104,12 @@ async def test_a_death_nobody_witnessed_blames_no_trigger(backend: Backend) -> N
     # Alive throughout, but on a longer lease: its renewals prove nothing about a 2 s lease.
     long_lease = await register(backend, [A], ttl=60)
     owner = await register(backend, [A], TTL)
+    await register(backend, [A], TTL)  # on the same lease, and expired with it
     await store.claim(owner, [t], [A])
     await backend.travel(3)  # the owner expires
     await register(backend, [A], TTL)  # alive now, but started after the owner expired
     reaped = await store.reap_dead([A], max_failures=1)
-    assert reaped.dead_owners == 1
+    assert reaped.dead_owners == 2
     assert freed(reaped) == [(t, 0, False)]
     assert await store.renew(long_lease, 60, 0, [A]) is not None
     assert (await backend.task(t)).state == "deferred"
@@ -185,3 +197,40 @@ async def test_a_probation_claim_that_finds_nothing_records_an_empty_group(
     await live_through(backend, 3, witness)
     reaped = await store.reap_dead([A], max_failures=5)
     assert freed(reaped) == [(suspect, 3, False), (ordinary, 1, False)]
+
+
+async def test_reap_dead_frees_a_big_holder_in_batches_of_limit(backend: Backend) -> None:
+    only(backend, "postgres", why="the memory and Airflow stores free everything at once "
+                                  "(the protocol lets a store not batch)")
+    held = [await backend.defer(A) for _ in range(3)]
+    witness = await register(backend, [A], TTL)
+    await dies_holding(backend, held, witness)
+    first = await backend.store.reap_dead([A], max_failures=5, limit=2)
+    assert (len(first.freed), first.dead_owners) == (2, 0)  # the dead row stays for the rest
+    second = await backend.store.reap_dead([A], max_failures=5, limit=2)
+    assert (len(second.freed), second.dead_owners) == (1, 1)
+    assert sorted(f.id for f in [*first.freed, *second.freed]) == held
+
+
+async def test_a_task_without_a_timeout_fails_after_max_deferral_unless_held(
+    backend: Backend,
+) -> None:
+    only(backend, "memory", "postgres",
+         why="Airflow's scheduler times deferred tasks out (time_out_orphans does nothing)")
+    untimed = cast("Untimed", backend)
+    held, orphan = await backend.defer(A), await backend.defer(A)
+    await untimed.untime(held)
+    await untimed.untime(orphan)
+    owner = await register(backend, [A], 600)
+    await backend.store.claim(owner, [held], [A])
+    await backend.travel(50)
+    assert await backend.store.time_out_orphans([A], 100) == []  # within max_deferral
+    await backend.travel(60)
+    assert await backend.store.time_out_orphans([A], 100) == [orphan]  # the held one runs
+    assert (await backend.task(held)).state == "deferred"
+    await backend.travel(600)  # its owner is gone now
+    assert await backend.store.time_out_orphans([A], 100) == [held]
+
+
+class Untimed(Protocol):
+    async def untime(self, trigger_id: int) -> None: ...

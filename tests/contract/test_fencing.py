@@ -14,8 +14,9 @@ async def test_an_event_applies_only_at_the_current_attempt(backend: Backend) ->
     store = backend.store
     t = await backend.defer(A)
     first = await register(backend, [A], ttl=2)
-    [spec] = (await store.claim(first, [t], [A])).claimed
-    assert spec.attempt == 1
+    found = await store.claim(first, [t], [A])
+    assert ([(s.id, s.attempt) for s in found.claimed], found.suspects, found.refused) == (
+        [(t, 1)], [], [])
     await backend.travel(3)  # first's lease expires
     second = await register(backend, [A], ttl=30)
     [spec] = (await store.claim(second, [t], [A])).claimed
@@ -109,7 +110,7 @@ async def test_a_trigger_i_cannot_load_is_passed_on_then_failed_when_nobody_can(
     store = backend.store
     t = await backend.defer(A)
     me = await register(backend, [A], ttl=30)
-    await register(backend, [A], ttl=2)  # a peer that may still load it
+    peer = await register(backend, [A], ttl=2)  # a peer that may still load it
     await store.claim(me, [t], [A])
     assert await store.other_loaders(t, me) == 1
     assert await store.release(me, [t], cannot_load=True, reason="no module x") == [
@@ -117,9 +118,14 @@ async def test_a_trigger_i_cannot_load_is_passed_on_then_failed_when_nobody_can(
     again = await store.claim(me, [t], [A])
     assert (again.claimed, again.refused) == ([], [TriggerRef(t, A)])
     assert await store.fail_unloadable(me, [t]) == []  # the peer may still load it
+    await store.claim(peer, [t], [A])
 
-    await backend.travel(3)  # the peer is gone: nobody left who has not refused it
+    await backend.travel(3)  # the peer dies holding it: nobody left who has not refused it
     assert await store.other_loaders(t, me) == 0
+    held = await store.claim(me, [t], [A])  # still the dead peer's: not passed on yet
+    assert (held.claimed, held.refused) == ([], [])
+    assert await store.fail_unloadable(me, [t]) == []  # nor failed while owned
+    assert [f.id for f in (await store.reap_dead([A], max_failures=5)).freed] == [t]
     assert await store.fail_unloadable(me, [t]) == [t]
     task = await backend.task(t)
     assert (task.state, task.next_method) == ("scheduled", "__fail__")
