@@ -39,6 +39,7 @@ from triggerflow.wire import EVENT_KINDS, Event
 
 FINAL = {"success", "failed", "skipped"}
 ORPHAN_SLACK = 2.0  # seconds past its timeout before a deferred task is failed as orphaned
+SUSPECT_FAILURES = 2  # ungraceful losses that make a trigger a suspect (run on probation)
 
 
 class ManualClock:
@@ -187,7 +188,7 @@ class MemoryStore:
             if refused:
                 if t.owner is None:
                     result.refused.append(TriggerRef(t.id, t.queue))
-            elif t.failures >= 2:
+            elif t.failures >= SUSPECT_FAILURES:
                 result.suspects.append(t.id)
             else:
                 result.claimed.append(self._take(t, me))
@@ -196,7 +197,7 @@ class MemoryStore:
     async def claim_probation(self, me: int, queues: Sequence[str],
                               limit: int | None = None) -> list[TriggerSpec]:
         waiting = [t for t in self.triggers.values() if t.queue in queues and t.owner is None
-                   and not t.quarantined and t.failures >= 2]
+                   and not t.quarantined and t.failures >= SUSPECT_FAILURES]
         if not waiting:  # an empty group is recorded too, as the SQL does
             if me in self.processes:
                 self.processes[me].probation = []
@@ -361,7 +362,7 @@ class MemoryStore:
             if t.quarantined:
                 self._fail_quarantined(t)
             elif (taker is not None and queues is not None and t.queue in queues
-                  and t.failures < 2 and taker.me not in t.rejected_by and len(taken) < room):
+                  and t.failures < SUSPECT_FAILURES and taker.me not in t.rejected_by and len(taken) < room):
                 taken.append(self._take(t, taker.me))
                 continue
             freed.append(FreedTrigger(t.id, t.queue, t.classpath, t.failures, t.quarantined))
