@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from _pytest.runner import runtestprotocol
@@ -103,13 +103,12 @@ class Recorder:
             setattr(cls, name, fn)
 
 
-def _run(items: list[pytest.Item], everything: list[pytest.Item]) -> Iterator[tuple[pytest.Item, bool, str]]:
-    """Run ``items`` one by one: (item, passed, failure text). Session fixtures stay up: each
-    run tears down to a node shared with another item, never to the end of the session."""
-    for i, item in enumerate(items):
-        following = items[i + 1] if i + 1 < len(items) else next(
-            (other for other in everything if other is not item), None)
-        reports = runtestprotocol(item, nextitem=following, log=False)
+def _run(items: list[pytest.Item]) -> Iterator[tuple[pytest.Item, bool, str]]:
+    """Run ``items`` one by one: (item, passed, failure text). Each is torn down to the
+    session, so the session's fixtures (servers, templates) stay up for the next one."""
+    for item in items:
+        down_to = cast(pytest.Item, item.session)  # teardown reads only its listchain()
+        reports = runtestprotocol(item, nextitem=down_to, log=False)
         failed = [r for r in reports if r.failed]
         yield item, not failed, "\n".join(str(r.longrepr) for r in failed)
 
@@ -125,9 +124,11 @@ def pytest_runtestloop(session: pytest.Session) -> bool | None:
     try:
         for item in items:
             recorder.current = item.nodeid
-            for _, passed, text in _run([item], items):
+            for _, passed, text in _run([item]):
                 if not passed:
-                    raise session.Failed(f"baseline fails: {item.nodeid}\n{text[-3000:]}")
+                    _report(config, f"baseline fails: {item.nodeid}\n{text[-5000:]}")
+                    session.testsfailed = 1
+                    return True
     finally:
         recorder.uninstall()
     only = {s for s in config.getoption("--mutate-only").split(",") if s}
@@ -146,7 +147,7 @@ def pytest_runtestloop(session: pytest.Session) -> bool | None:
             setattr(module, name, mutant.text)
             try:
                 result = Result(store, name, mutant.description, "survived")
-                for item, passed, text in _run(cases, items):
+                for item, passed, text in _run(cases):
                     if not passed:
                         invalid = _INVALID.search(text)
                         result.outcome = "invalid" if invalid else "killed"
@@ -158,14 +159,17 @@ def pytest_runtestloop(session: pytest.Session) -> bool | None:
             finally:
                 setattr(module, name, original)
             results.append(result)
-            print(f"{result.outcome:8} {store}.{name} {mutant.description} {result.by}",
-                  file=sys.stderr, flush=True)
-    report = _table(results, time.monotonic() - started)
+            config.get_terminal_writer().line(
+                f"{result.outcome:8} {store}.{name} {mutant.description} {result.by}")
+    _report(config, _table(results, time.monotonic() - started))
+    return True
+
+
+def _report(config: pytest.Config, text: str) -> None:
     path = Path(config.getoption("--mutate-report"))
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(report)
-    print("\n" + report)
-    return True
+    path.write_text(text)
+    config.get_terminal_writer().write("\n" + text)
 
 
 def _table(results: list[Result], seconds: float) -> str:

@@ -78,6 +78,7 @@ async def test_release_and_release_lost_act_on_exact_owners_and_attempts_only(
     backend: Backend,
 ) -> None:
     store = backend.store
+    await backend.defer(B)  # another queue's trigger: never in what is handed back
     t = await backend.defer(A)
     me = await register(backend, [A], ttl=30)
     other = await register(backend, [A], ttl=30)
