@@ -72,13 +72,44 @@ async def test_witnessed_deaths_make_suspects_and_probation_finds_the_killer(
     task = await backend.task(t1)
     assert (task.state, task.next_method) == ("scheduled", "__fail__")
     assert (await backend.task(t2)).state == "deferred"
-    assert (await store.claim(other, [t1], [A])).claimed == []
+    quarantined = await store.claim(other, [t1], [A])
+    assert (quarantined.claimed, quarantined.suspects, quarantined.refused) == ([], [], [])
     assert [s.id for s in await store.claim_probation(other, [A])] == [t2]
-    await store.clear_probation(other, [t2])
-    assert await store.release(other, [t2]) != []
-    [spec] = (await store.claim(other, [t2], [A])).claimed  # cleared: an ordinary claim
-    assert (spec.id, spec.attempt) == (t2, 4)
+    # It cannot load t2: passed on, not a suspect of its own, and not its to probe again.
+    await store.release(other, [t2], cannot_load=True)
+    passed = await store.claim(other, [t2], [A])
+    assert (passed.claimed, passed.suspects, [r.id for r in passed.refused]) == ([], [], [t2])
+    assert await store.claim_probation(other, [A]) == []
+    third = await register(backend, [A], TTL)
+    assert [s.id for s in await store.claim_probation(third, [A])] == [t2]
+    await store.clear_probation(third, [t2])
+    assert await store.release(third, [t2]) != []
+    [spec] = (await store.claim(third, [t2], [A])).claimed  # cleared: an ordinary claim
+    assert (spec.id, spec.attempt) == (t2, 5)
     assert (await backend.task(t2)).state == "deferred"
+
+
+async def test_probation_takes_half_of_the_worst_waiting_suspects_of_its_queues(
+    backend: Backend,
+) -> None:
+    store = backend.store
+    ordinary = await backend.defer(A)  # waiting, never lost: not a suspect
+    other_queue = await backend.defer(B)
+    quarantined = await backend.defer(A)
+    suspects = [await backend.defer(A) for _ in range(4)]
+    witness = await register(backend, [A, B], TTL)
+    await dies_holding(backend, [other_queue, quarantined, *suspects], witness, [A, B])
+    await store.reap_dead(None, max_failures=5)
+    await dies_holding(backend, [other_queue, *suspects], witness, [A, B])
+    await store.reap_dead(None, max_failures=5)
+    await dies_holding(backend, [quarantined], witness)
+    assert freed(await store.reap_dead(None, max_failures=2)) == [(quarantined, 2, True)]
+
+    prober = await register(backend, [A], TTL)
+    assert [s.id for s in await store.claim_probation(prober, [A])] == suspects[:2]
+    peer = await register(backend, [A], TTL)  # half of the two still waiting
+    assert [s.id for s in await store.claim_probation(peer, [A])] == [suspects[2]]
+    assert (await backend.task(ordinary)).state == "deferred"
 
 
 async def test_a_trigger_blamed_max_failures_times_is_quarantined(backend: Backend) -> None:
@@ -95,6 +126,7 @@ async def test_a_trigger_blamed_max_failures_times_is_quarantined(backend: Backe
     task = await backend.task(t)
     assert (task.state, task.next_method) == ("scheduled", "__fail__")
     assert (await backend.task(ended)).state == "success"  # not deferred: left alone
+    assert (await backend.store.claim(witness, [t], [A])).claimed == []
     assert await backend.store.resend_unclaimed(None, 0, 10) == []  # never re-sent
 
 
