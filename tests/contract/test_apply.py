@@ -16,7 +16,7 @@ A, B = "team-a", "team-b"
 async def claimed(backend: Backend, queue: str = A) -> tuple[int, int]:
     """A deferred trigger claimed by a live consumer: (trigger id, owner)."""
     t = await backend.defer(queue)
-    me = await register(backend, [queue], ttl=60)
+    me = await register(backend, [queue], ttl=600)
     assert [s.id for s in (await backend.store.claim(me, [t], [queue])).claimed] == [t]
     return t, me
 
@@ -83,7 +83,7 @@ async def test_kwargs_problems_come_back_with_the_claim(backend: Backend,
     stored = (backend.unreadable_kwargs if problem is KwargsProblem.UNREADABLE_HERE
               else backend.invalid_kwargs)
     t = await backend.defer(A, stored_kwargs=stored)
-    me = await register(backend, [A], ttl=60)
+    me = await register(backend, [A], ttl=600)
     [spec] = (await backend.store.claim(me, [t], [A])).claimed
     assert spec.kwargs is None
     assert spec.kwargs_error is not None and spec.kwargs_error.problem is problem
@@ -110,11 +110,11 @@ async def test_the_backstop_resends_unclaimed_triggers_of_its_scope_once(
 
 async def test_queue_consumers_counts_live_consumers_only(backend: Backend) -> None:
     store = backend.store
-    await register(backend, [A], ttl=2)
-    await register(backend, [A, B], ttl=60)
+    await register(backend, [A], ttl=20)
+    await register(backend, [A, B], ttl=600)
     await register(backend, [A], ttl=60, kind=ProcessKind.WRITER)
     assert await store.queue_consumers([A, B, "team-c"]) == {A: 2, B: 1, "team-c": 0}
-    await backend.travel(3)
+    await backend.travel(30)
     assert await store.queue_consumers([A, B]) == {A: 1, B: 1}
 
 
@@ -145,7 +145,7 @@ async def test_cancel_moves_the_task_and_drops_unowned_triggers_at_once(
     assert (await backend.task(free)).state == "removed"
     assert (await backend.task(held)).state == "removed"
     # The free one is gone; the held one waits for its owner (control message or sweep).
-    peer = await register(backend, [A], ttl=60)
+    peer = await register(backend, [A], ttl=600)
     assert (await store.claim(peer, [free], [A])).claimed == []
     assert await store.sweep_cancelled(owner) == [held]
     assert await store.cancel([free, held], "removed") == []

@@ -13,12 +13,12 @@ A, B = "team-a", "team-b"
 async def test_an_event_applies_only_at_the_current_attempt(backend: Backend) -> None:
     store = backend.store
     t = await backend.defer(A)
-    first = await register(backend, [A], ttl=2)
+    first = await register(backend, [A], ttl=20)
     found = await store.claim(first, [t], [A])
     assert ([(s.id, s.attempt) for s in found.claimed], found.suspects, found.refused) == (
         [(t, 1)], [], [])
-    await backend.travel(3)  # first's lease expires
-    second = await register(backend, [A], ttl=30)
+    await backend.travel(30)  # first's lease expires
+    second = await register(backend, [A], ttl=300)
     [spec] = (await store.claim(second, [t], [A])).claimed
     assert spec.attempt == 2  # the second claim raised the attempt: first is fenced
 
@@ -42,7 +42,7 @@ async def test_an_event_naming_another_queue_than_its_trigger_changes_nothing(
     store = backend.store
     t = await backend.defer(A)
     u = await backend.defer(B)
-    me = await register(backend, [A, B], ttl=30)
+    me = await register(backend, [A, B], ttl=300)
     claimed = (await store.claim(me, [t, u], [A, B])).claimed
     assert sorted((s.id, s.attempt) for s in claimed) == [(t, 1), (u, 1)]
 
@@ -59,8 +59,8 @@ async def test_a_live_owner_keeps_its_trigger_and_an_expired_one_loses_it(
 ) -> None:
     store = backend.store
     t = await backend.defer(A)
-    owner = await register(backend, [A], ttl=2)
-    peer = await register(backend, [A], ttl=60)
+    owner = await register(backend, [A], ttl=20)
+    peer = await register(backend, [A], ttl=600)
     assert [s.attempt for s in (await store.claim(owner, [t], [A])).claimed] == [1]
 
     refused = await store.claim(peer, [t], [A])
@@ -68,8 +68,8 @@ async def test_a_live_owner_keeps_its_trigger_and_an_expired_one_loses_it(
     assert (await store.claim(owner, [t], [A])).claimed == []  # not even again by its owner
     assert (await store.claim(peer, [t], [B])).claimed == []  # nor for another queue
 
-    await backend.travel(3)  # the owner's lease is over; the peer's is not
-    assert await store.renew(owner, 2, 1, [A]) is None  # fenced
+    await backend.travel(30)  # the owner's lease is over; the peer's is not
+    assert await store.renew(owner, 20, 1, [A]) is None  # fenced
     [spec] = (await store.claim(peer, [t], [A])).claimed
     assert (spec.id, spec.attempt, spec.queue) == (t, 2, A)
 
@@ -80,8 +80,8 @@ async def test_release_and_release_lost_act_on_exact_owners_and_attempts_only(
     store = backend.store
     await backend.defer(B)  # another queue's trigger: never in what is handed back
     t = await backend.defer(A)
-    me = await register(backend, [A], ttl=30)
-    other = await register(backend, [A], ttl=30)
+    me = await register(backend, [A], ttl=300)
+    other = await register(backend, [A], ttl=300)
     await store.claim(me, [t], [A])
 
     assert await store.release_lost(me, [t], [2]) == []  # not the attempt I run
@@ -110,8 +110,8 @@ async def test_a_trigger_i_cannot_load_is_passed_on_then_failed_when_nobody_can(
 ) -> None:
     store = backend.store
     t = await backend.defer(A)
-    me = await register(backend, [A], ttl=30)
-    peer = await register(backend, [A], ttl=2)  # a peer that may still load it
+    me = await register(backend, [A], ttl=300)
+    peer = await register(backend, [A], ttl=20)  # a peer that may still load it
     await store.claim(me, [t], [A])
     assert await store.other_loaders(t, me) == 1
     assert await store.release(me, [t], cannot_load=True, reason="no module x") == [
@@ -121,7 +121,7 @@ async def test_a_trigger_i_cannot_load_is_passed_on_then_failed_when_nobody_can(
     assert await store.fail_unloadable(me, [t]) == []  # the peer may still load it
     await store.claim(peer, [t], [A])
 
-    await backend.travel(3)  # the peer dies holding it: nobody left who has not refused it
+    await backend.travel(30)  # the peer dies holding it: nobody left who has not refused it
     assert await store.other_loaders(t, me) == 0
     held = await store.claim(me, [t], [A])  # still the dead peer's: not passed on yet
     assert (held.claimed, held.refused) == ([], [])
