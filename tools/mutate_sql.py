@@ -42,6 +42,10 @@ TARGETS: list[tuple[str, str, str]] = [
 STORES = {"postgres": "triggerflow.store.postgres.store:PostgresStore",
           "airflow": "triggerflow.airflow.store:AirflowStore"}
 INDIRECT = {("airflow", "APPLY"): "apply_events"}  # through events.apply_events
+# Mutated only up to this text: what follows in Airflow's APPLY (callback requests, XComs)
+# is Airflow's bookkeeping, checked by tests/test_airflow_golden.py, not a Store contract.
+SCOPE = {("airflow", "APPLY"): "), detached AS ("}
+_LINE = re.compile(r"^(killed)\s+(\w+)\.(\w+) (L\d+: .*) (test_\S+)$")
 _INVALID = re.compile(r"PostgresSyntaxError|UndefinedColumnError|UndefinedTableError|"
                       r"AmbiguousColumnError|DatatypeMismatchError|GroupingError|"
                       r"UndefinedFunctionError|InvalidColumnReferenceError")
@@ -60,6 +64,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--mutate", action="store_true", help="run SQL mutation testing")
     parser.addoption("--mutate-only", default="", help="comma-separated statement names")
     parser.addoption("--mutate-report", default=".tools/mutation-report.md")
+    parser.addoption("--mutate-keep", default="", help="a previous run's progress lines: "
+                     "mutants killed there are carried over, not run again")
 
 
 def _load(spec: str) -> Any:
@@ -132,6 +138,7 @@ def pytest_runtestloop(session: pytest.Session) -> bool | None:
     finally:
         recorder.uninstall()
     only = {s for s in config.getoption("--mutate-only").split(",") if s}
+    kept = _killed_before(config.getoption("--mutate-keep"))
     results: list[Result] = []
     started = time.monotonic()
     for module_name, name, store in TARGETS:
@@ -142,7 +149,10 @@ def pytest_runtestloop(session: pytest.Session) -> bool | None:
         callers = set().union(*(recorder.calls[f"{store}.{m}"] for m in _methods_using(store, name)))
         cases = [i for i in items if i.nodeid in callers and f"[{store}" in i.nodeid]
         kills: dict[str, int] = defaultdict(int)  # a case that killed a mutant goes first next
-        for mutant in mutants(original):
+        for mutant in mutants(original, before=SCOPE.get((store, name))):
+            if (store, name, mutant.description) in kept:
+                results.append(kept[store, name, mutant.description])
+                continue
             cases.sort(key=lambda item: -kills[item.nodeid])
             setattr(module, name, mutant.text)
             try:
@@ -163,6 +173,16 @@ def pytest_runtestloop(session: pytest.Session) -> bool | None:
                 f"{result.outcome:8} {store}.{name} {mutant.description} {result.by}")
     _report(config, _table(results, time.monotonic() - started))
     return True
+
+
+def _killed_before(path: str) -> dict[tuple[str, str, str], Result]:
+    kept: dict[tuple[str, str, str], Result] = {}
+    for line in Path(path).read_text().splitlines() if path else []:
+        m = _LINE.match(line.rstrip())
+        if m:
+            outcome, store, statement, mutant, by = m.groups()
+            kept[store, statement, mutant] = Result(store, statement, mutant, outcome, by)
+    return kept
 
 
 def _report(config: pytest.Config, text: str) -> None:

@@ -95,8 +95,12 @@ def _shown(text: str) -> str:
     return short if len(short) <= 80 else short[:77] + "..."
 
 
-def mutants(sql: str) -> list[Mutant]:
+def mutants(sql: str, before: str | None = None) -> list[Mutant]:
+    """Every mutant of ``sql`` (of its text up to ``before`` when given)."""
     clean, tokens = _tokens(sql)
+    if before is not None:
+        limit = clean.index(before)
+        tokens = [t for t in tokens if t.end <= limit]
     found: dict[str, Mutant] = {}
 
     def add(description: str, start: int, end: int, replacement: str = "") -> None:
