@@ -129,6 +129,9 @@ async def test_the_cancel_sweep_drops_what_its_owner_holds_for_ended_tasks(
     await backend.end_task(u, "success")
     assert await backend.store.sweep_cancelled(me) == [t]  # only mine
     assert await backend.store.sweep_cancelled(me) == []
+    await backend.end_task(u, "deferred")  # an operator put it back: it waits again
+    assert await backend.store.sweep_cancelled(other) == []
+    await backend.end_task(u, "success")
     assert await backend.store.sweep_cancelled(other) == [u]
 
 
@@ -139,16 +142,25 @@ async def test_cancel_moves_the_task_and_drops_unowned_triggers_at_once(
          why="in Airflow mode tasks are cleared or marked through Airflow (cancel refuses)")
     store = backend.store
     free = await backend.defer(A)
+    orphaned = await backend.defer(A)
+    dying = await register(backend, [A], ttl=20)
+    await store.claim(dying, [orphaned], [A])
+    await backend.travel(30)  # its owner is dead: nobody runs it
     held, owner = await claimed(backend)
-    result = sorted(await store.cancel([free, held], "removed"), key=lambda c: c.id)
-    assert [(c.id, c.owner, c.moved) for c in result] == [(free, None, True), (held, owner, True)]
-    assert (await backend.task(free)).state == "removed"
-    assert (await backend.task(held)).state == "removed"
-    # The free one is gone; the held one waits for its owner (control message or sweep).
+    loose, (busy, _) = await backend.defer(A), await claimed(backend)  # not cancelled
+    result = sorted(await store.cancel([free, orphaned, held], "removed"), key=lambda c: c.id)
+    assert [(c.id, c.owner, c.moved) for c in result] == [
+        (free, None, True), (orphaned, None, True), (held, owner, True)]
+    for cancelled in (free, orphaned, held):
+        assert (await backend.task(cancelled)).state == "removed"
+    for bystander in (loose, busy):
+        assert (await backend.task(bystander)).state == "deferred"
+    # The unowned ones are gone; the held one waits for its owner (control message or sweep).
     peer = await register(backend, [A], ttl=600)
-    assert (await store.claim(peer, [free], [A])).claimed == []
+    found = await store.claim(peer, [free, orphaned, loose], [A])
+    assert [s.id for s in found.claimed] == [loose]
     assert await store.sweep_cancelled(owner) == [held]
-    assert await store.cancel([free, held], "removed") == []
+    assert await store.cancel([free, orphaned, held], "removed") == []
 
 
 async def test_cancelling_a_task_that_already_left_deferred_moves_nothing(
