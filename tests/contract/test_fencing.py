@@ -4,6 +4,7 @@ at exact attempts only: every store, the same cases."""
 from __future__ import annotations
 
 from tests.contract.backends import NEXT_KWARGS, Backend, register
+from tests.contract.conftest import only
 from tests.contract.events import PAYLOAD, event
 from triggerflow.store import TriggerRef
 
@@ -131,3 +132,16 @@ async def test_a_trigger_i_cannot_load_is_passed_on_then_failed_when_nobody_can(
     task = await backend.task(t)
     assert (task.state, task.next_method) == ("scheduled", "__fail__")
     assert "no module x" in str(task.next_kwargs)
+
+
+async def test_an_airflow_trigger_without_a_deferred_task_is_never_claimed(
+    backend: Backend,
+) -> None:
+    only(backend, "airflow", why="only Airflow's trigger table holds rows that are no task's "
+                                 "deferral (asset watchers, callbacks, tasks cleared by hand); "
+                                 "native triggers always are one, and the sweep drops the rest")
+    t = await backend.defer(A)
+    await backend.end_task(t, "success")
+    me = await register(backend, [A], ttl=300)
+    found = await backend.store.claim(me, [t], [A])
+    assert (found.claimed, found.suspects, found.refused) == ([], [], [])
