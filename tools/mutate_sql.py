@@ -45,7 +45,7 @@ INDIRECT = {("airflow", "APPLY"): "apply_events"}  # through events.apply_events
 # Mutated only up to this text: what follows in Airflow's APPLY (callback requests, XComs)
 # is Airflow's bookkeeping, checked by tests/test_airflow_golden.py, not a Store contract.
 SCOPE = {("airflow", "APPLY"): "), detached AS ("}
-_LINE = re.compile(r"^(killed)\s+(\w+)\.(\w+) (L\d+: .*) (test_\S+)$")
+_LINE = re.compile(r"^(killed|survived|invalid)\s+(\w+)\.(\w+) (L\d+: .*?) ?(test_\S+|\w+Error)?$")
 _INVALID = re.compile(r"PostgresSyntaxError|UndefinedColumnError|UndefinedTableError|"
                       r"AmbiguousColumnError|DatatypeMismatchError|GroupingError|"
                       r"UndefinedFunctionError|InvalidColumnReferenceError")
@@ -64,8 +64,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--mutate", action="store_true", help="run SQL mutation testing")
     parser.addoption("--mutate-only", default="", help="comma-separated statement names")
     parser.addoption("--mutate-report", default=".tools/mutation-report.md")
-    parser.addoption("--mutate-keep", default="", help="a previous run's progress lines: "
-                     "mutants killed there are carried over, not run again")
+    parser.addoption("--mutate-keep", default="", help="previous runs' progress lines "
+                     "(comma-separated files): mutants killed there are not run again")
+    parser.addoption("--mutate-again", default="", help="with --mutate-keep: carry over "
+                     "survivors too, except those matching this regex (run again)")
 
 
 def _load(spec: str) -> Any:
@@ -138,7 +140,7 @@ def pytest_runtestloop(session: pytest.Session) -> bool | None:
     finally:
         recorder.uninstall()
     only = {s for s in config.getoption("--mutate-only").split(",") if s}
-    kept = _killed_before(config.getoption("--mutate-keep"))
+    kept = _kept(config.getoption("--mutate-keep"), config.getoption("--mutate-again"))
     results: list[Result] = []
     started = time.monotonic()
     for module_name, name, store in TARGETS:
@@ -175,13 +177,19 @@ def pytest_runtestloop(session: pytest.Session) -> bool | None:
     return True
 
 
-def _killed_before(path: str) -> dict[tuple[str, str, str], Result]:
+def _kept(path: str, again: str) -> dict[tuple[str, str, str], Result]:
+    """Outcomes of a previous run to carry over: its kills, and (given ``again``) its
+    survivors but those matching ``again``."""
     kept: dict[tuple[str, str, str], Result] = {}
-    for line in Path(path).read_text().splitlines() if path else []:
+    lines = [line for p in path.split(",") if p for line in Path(p).read_text().splitlines()]
+    for line in lines:  # a later file's line wins
         m = _LINE.match(line.rstrip())
-        if m:
-            outcome, store, statement, mutant, by = m.groups()
-            kept[store, statement, mutant] = Result(store, statement, mutant, outcome, by)
+        if m is None:
+            continue
+        outcome, store, statement, mutant, by = m.groups()
+        rerun = not again or re.search(again, f"{store}.{statement} {mutant}")
+        if outcome == "killed" or not rerun:
+            kept[store, statement, mutant] = Result(store, statement, mutant, outcome, by or "")
     return kept
 
 

@@ -226,6 +226,8 @@ async def test_a_probation_claim_that_finds_nothing_records_an_empty_group(
         await store.reap_dead([A], max_failures=5)
     prober = await register(backend, [A], TTL)
     assert [s.id for s in await store.claim_probation(prober, [A])] == [suspect]
+    await store.claim(prober, [ordinary], [A])  # seen, handed back: waiting, not suspect
+    await store.release(prober, [ordinary])
     assert await store.claim_probation(prober, [A]) == []  # the group is now empty
     await store.claim(prober, [ordinary], [A])
     # It dies with no group on record: everything it held is blamed, nothing alone.

@@ -22,6 +22,8 @@ async def test_an_event_applies_only_at_the_current_attempt(backend: Backend) ->
     second = await register(backend, [A], ttl=300)
     [spec] = (await store.claim(second, [t], [A])).claimed
     assert spec.attempt == 2  # the second claim raised the attempt: first is fenced
+    bystander = await backend.defer(A)  # another trigger, now at attempt 1
+    assert [s.attempt for s in (await store.claim(second, [bystander], [A])).claimed] == [1]
 
     assert await store.apply_events([event(t, 1, A)]) == []  # the fenced owner's event
     assert await store.apply_events([event(t, 3, A)]) == []  # an attempt nobody holds
