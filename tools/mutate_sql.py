@@ -66,6 +66,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--mutate-report", default=".tools/mutation-report.md")
     parser.addoption("--mutate-keep", default="", help="previous runs' progress lines "
                      "(comma-separated files): mutants killed there are not run again")
+    parser.addoption("--mutate-verify", action="store_true", help="with --mutate-keep: "
+                     "run carried-over kills again, their killer first")
     parser.addoption("--mutate-again", default="", help="with --mutate-keep: carry over "
                      "survivors too, except those matching this regex (run again)")
 
@@ -141,6 +143,7 @@ def pytest_runtestloop(session: pytest.Session) -> bool | None:
         recorder.uninstall()
     only = {s for s in config.getoption("--mutate-only").split(",") if s}
     kept = _kept(config.getoption("--mutate-keep"), config.getoption("--mutate-again"))
+    verify = config.getoption("--mutate-verify")
     results: list[Result] = []
     started = time.monotonic()
     for module_name, name, store in TARGETS:
@@ -152,10 +155,13 @@ def pytest_runtestloop(session: pytest.Session) -> bool | None:
         cases = [i for i in items if i.nodeid in callers and f"[{store}" in i.nodeid]
         kills: dict[str, int] = defaultdict(int)  # a case that killed a mutant goes first next
         for mutant in mutants(original, before=SCOPE.get((store, name))):
-            if (store, name, mutant.description) in kept:
-                results.append(kept[store, name, mutant.description])
+            before = kept.get((store, name, mutant.description))
+            if before is not None and not (verify and before.outcome == "killed"):
+                results.append(before)
                 continue
-            cases.sort(key=lambda item: -kills[item.nodeid])
+            # A case that killed this mutant before, then those that killed its siblings.
+            cases.sort(key=lambda item: (not (before and item.nodeid.endswith(before.by)),
+                                         -kills[item.nodeid]))
             setattr(module, name, mutant.text)
             try:
                 result = Result(store, name, mutant.description, "survived")
