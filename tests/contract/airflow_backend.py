@@ -76,5 +76,10 @@ class AirflowBackend:
         await _execute(self.dsn, "UPDATE task_instance SET state = $1 WHERE trigger_id = $2",
                        args=(state, trigger_id))
 
+    async def allow_retries(self, trigger_id: int, retries: int) -> None:
+        """The task may be retried (``max_tries``), as a task with ``retries=`` set."""
+        await _execute(self.dsn, "UPDATE task_instance SET max_tries = $1 WHERE trigger_id = $2",
+                       args=(retries, trigger_id))
+
     async def close(self) -> None:
         await self.store.close()

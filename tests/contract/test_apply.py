@@ -180,3 +180,15 @@ async def test_a_stale_event_is_ignored_whatever_its_content(backend: Backend) -
     assert await backend.store.apply_events([event(t, 2, A, payload="{not json")]) == []
     assert await backend.store.apply_events([event(t, 1, B, payload="{not json")]) == []
     assert (await backend.task(t)).state == "deferred"
+
+
+async def test_a_resume_moves_a_task_that_may_still_be_retried(backend: Backend) -> None:
+    only(backend, "airflow", why="only Airflow's tasks carry retries into the apply (a "
+                                 "failure with retries left is Airflow's own decision)")
+    from tests.contract.airflow_backend import AirflowBackend
+
+    t, _ = await claimed(backend)
+    assert isinstance(backend, AirflowBackend)
+    await backend.allow_retries(t, 2)
+    assert len(await backend.store.apply_events([event(t, 1, A)])) == 1
+    assert (await backend.task(t)).state == "scheduled"
