@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 STAMP_RUN := $(VENV)/.installed-run
 STAMP := $(VENV)/.installed
 
-.PHONY: venv services tools test check demo lint bench
+.PHONY: venv services tools test check demo lint bench mutate
 
 venv: $(STAMP)
 
@@ -48,3 +48,9 @@ check: lint
 
 bench: venv
 	$(BIN)/python -m tests.services -- $(BIN)/triggerflow bench $(BENCH_ARGS)
+
+# SQL mutation testing (docs/testing.md): deletes one condition at a time from the fencing,
+# queue, take-over, quarantine and apply statements and runs the contract suite against it.
+# CPU-heavy and long; not part of `make test`. The table goes to .tools/mutation-report.md.
+mutate: venv
+	nice $(BIN)/python -m tools.mutate_sql $(MUTATE_ARGS)

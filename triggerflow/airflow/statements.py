@@ -68,6 +68,9 @@ WITH candidate AS (
     LEFT JOIN {SCHEMA}.trigger_state s ON s.trigger_id = t.id
     WHERE t.id = ANY($2::int[]) AND coalesce(t.queue, $4) = ANY($3::text[])
       AND s.quarantined_at IS NULL
+      -- held by a live owner: not mine, not a suspect waiting for probation (as native)
+      AND (s.owner_id IS NULL OR NOT EXISTS (
+            SELECT 1 FROM {SCHEMA}.consumer o WHERE o.id = s.owner_id AND o.expires_at > now()))
       -- coalesce(): found by ti_trigger_id, never by the ti_state index (see events.APPLY)
       AND EXISTS (SELECT 1 FROM task_instance ti
                   WHERE ti.trigger_id = t.id AND coalesce(ti.state, '') = 'deferred')

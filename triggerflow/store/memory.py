@@ -39,6 +39,7 @@ from triggerflow.wire import EVENT_KINDS, Event
 
 FINAL = {"success", "failed", "skipped"}
 ORPHAN_SLACK = 2.0  # seconds past its timeout before a deferred task is failed as orphaned
+SUSPECT_FAILURES = 2  # ungraceful losses that make a trigger a suspect (run on probation)
 
 
 class ManualClock:
@@ -190,7 +191,7 @@ class MemoryStore:
             if refused:
                 if t.owner is None:
                     result.refused.append(TriggerRef(t.id, t.queue))
-            elif t.failures >= 2:
+            elif t.failures >= SUSPECT_FAILURES:
                 result.suspects.append(t.id)
             else:
                 result.claimed.append(self._take(t, me))
@@ -199,8 +200,10 @@ class MemoryStore:
     async def claim_probation(self, me: int, queues: Sequence[str],
                               limit: int | None = None) -> list[TriggerSpec]:
         waiting = [t for t in self.triggers.values() if t.queue in queues and t.owner is None
-                   and not t.quarantined and t.failures >= 2]
-        if not waiting:
+                   and not t.quarantined and t.failures >= SUSPECT_FAILURES]
+        if not waiting:  # an empty group is recorded too, as the SQL does
+            if me in self.processes:
+                self.processes[me].probation = []
             return []
         worst = max(t.failures for t in waiting)
         level = [t for t in waiting if t.failures == worst]
@@ -285,32 +288,43 @@ class MemoryStore:
     # -- writer --------------------------------------------------------------------------
 
     async def apply_events(self, events: Sequence[Event]) -> list[Applied]:
-        payloads = []
-        for ev in events:  # all or nothing, as one transaction
-            try:
-                if "\\u0000" in ev.payload:
-                    raise ValueError("unsupported Unicode escape sequence \\u0000")
-                payloads.append(json.loads(ev.payload))
-            except ValueError as exc:
-                raise EventRefused(f"invalid input syntax for type json: {exc}") from exc
+        # Only what moves a task has its content read (as the SQL casts only those rows):
+        # a stale, duplicate or unknown event changes nothing, whatever its payload.
+        current = [ev for ev in sorted(events, key=lambda ev: ev.trigger_id) if self._fenced_in(ev)]
+        # Read before anything changes: bad content refuses the whole batch (one transaction).
+        payloads = {id(ev): self._payload(ev) for ev in current if self._deferred_on(ev.trigger_id)}
         applied = []
-        for ev, payload in sorted(zip(events, payloads, strict=True),
-                                  key=lambda pair: pair[0].trigger_id):
-            t = self.triggers.get(ev.trigger_id)
-            if t is None or t.attempt != ev.attempt or t.queue != ev.queue:
-                continue  # stale attempt, wrong queue, or already applied
-            if ev.kind not in EVENT_KINDS:
-                continue  # as the SQL: an unknown kind never becomes a state
-            del self.triggers[t.id]
-            task = self._task_on(t.id)
+        for ev in current:
+            if self.triggers.pop(ev.trigger_id, None) is None:
+                continue  # a duplicate of an event of this batch
+            task = self._task_on(ev.trigger_id)
             if task is None or task.state != TaskState.DEFERRED:
                 continue
-            self._move(task, ev.kind, payload)
+            self._move(task, ev.kind, payloads[id(ev)])
             applied.append(Applied(ev.kind, ev.queue, max(0.0, time.time() - ev.fired_at)))
         return applied
 
     async def apply_unlocked(self, events: Sequence[Event]) -> tuple[list[Applied], list[Event]]:
         return await self.apply_events(events), []  # nothing here holds a row
+
+    def _fenced_in(self, ev: Event) -> bool:
+        """The event's (trigger, attempt, queue) is the current one, and its kind is ours."""
+        t = self.triggers.get(ev.trigger_id)
+        return (t is not None and t.attempt == ev.attempt and t.queue == ev.queue
+                and ev.kind in EVENT_KINDS)  # as the SQL: an unknown kind never becomes a state
+
+    def _deferred_on(self, trigger_id: int) -> bool:
+        task = self._task_on(trigger_id)
+        return task is not None and task.state == TaskState.DEFERRED
+
+    @staticmethod
+    def _payload(ev: Event) -> Any:
+        try:
+            if "\\u0000" in ev.payload:
+                raise ValueError("unsupported Unicode escape sequence \\u0000")
+            return json.loads(ev.payload)
+        except ValueError as exc:
+            raise EventRefused(f"invalid input syntax for type json: {exc}") from exc
 
     def _move(self, task: StoredTask, kind: str, payload: Any) -> None:
         if kind == "resume":
@@ -354,7 +368,7 @@ class MemoryStore:
             if t.quarantined:
                 self._fail_quarantined(t)
             elif (taker is not None and queues is not None and t.queue in queues
-                  and t.failures < 2 and taker.me not in t.rejected_by and len(taken) < room):
+                  and t.failures < SUSPECT_FAILURES and taker.me not in t.rejected_by and len(taken) < room):
                 taken.append(self._take(t, taker.me))
                 continue
             freed.append(FreedTrigger(t.id, t.queue, t.classpath, t.failures, t.quarantined))

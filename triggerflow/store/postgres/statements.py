@@ -68,7 +68,7 @@ WITH target AS (
 SELECT t.id, t.owner_id, t.id IN (SELECT trigger_id FROM moved) AS moved, t.queue
 FROM trigger t WHERE t.id = ANY($1::bigint[]) AND t.id NOT IN (SELECT id FROM orphan)
 UNION ALL
-SELECT id, NULL, true, queue FROM orphan
+SELECT id, NULL, id IN (SELECT trigger_id FROM moved), queue FROM orphan
 """
 
 # -- consumer
