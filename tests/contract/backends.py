@@ -64,7 +64,10 @@ class Backend(Protocol):
 
 async def register(backend: Backend, queues: list[str], ttl: float = 2.0,
                    kind: ProcessKind = ProcessKind.CONSUMER) -> int:
-    return await backend.store.register(kind, "contract", 1, queues, 100, "t", ttl)
+    me = await backend.store.register(kind, "contract", 1, queues, 100, "t", ttl)
+    if kind == ProcessKind.CONSUMER:  # capacity once subscribed on the broker, as a consumer is
+        await backend.store.renew(me, ttl, 0, queues, subscribed=True)
+    return me
 
 
 class MemoryBackend:

@@ -10,7 +10,7 @@ import pytest
 from tests.contract.backends import Backend, register
 from tests.contract.conftest import only
 from tests.contract.events import event
-from triggerflow.store import Taker
+from triggerflow.store import Taker, TriggerRef
 
 A, B = "team-a", "team-b"
 TTL = 20.0  # leases outlive any real pause of a loaded machine; time moves by travel
@@ -207,12 +207,12 @@ async def test_a_task_past_its_timeout_fails_only_after_the_orphan_slack(
     assert await store.time_out_orphans(None, 3600) == []  # 1 s late: within the slack
     assert (await backend.task(t)).state == "deferred"
     await backend.travel(2)
-    assert await store.time_out_orphans([A], 3600) == [t]  # of its queue only
+    assert await store.time_out_orphans([A], 3600) == [TriggerRef(t, A)]  # of its queue only
     task = await backend.task(t)
     assert (task.state, task.next_method) == ("scheduled", "__fail__")
     assert task.next_kwargs["error"] == "Trigger timeout"
     assert (await backend.task(u)).state == "deferred"
-    assert await store.time_out_orphans(None, 3600) == [u]
+    assert await store.time_out_orphans(None, 3600) == [TriggerRef(u, B)]
 
 
 async def test_a_probation_claim_that_finds_nothing_records_an_empty_group(
@@ -263,10 +263,10 @@ async def test_a_task_without_a_timeout_fails_after_max_deferral_unless_held(
     await backend.travel(50)
     assert await backend.store.time_out_orphans([A], 100) == []  # within max_deferral
     await backend.travel(60)
-    assert await backend.store.time_out_orphans([A], 100) == [orphan]  # the held one runs
+    assert await backend.store.time_out_orphans([A], 100) == [TriggerRef(orphan, A)]  # the held one runs
     assert (await backend.task(held)).state == "deferred"
     await backend.travel(600)  # its owner is gone now
-    assert await backend.store.time_out_orphans([A], 100) == [held]
+    assert await backend.store.time_out_orphans([A], 100) == [TriggerRef(held, A)]
 
 
 class Untimed(Protocol):
