@@ -23,6 +23,7 @@ from triggerflow.consumer import Consumer
 from triggerflow.model import TaskKey
 from triggerflow.sdk import Deferral, TriggerflowClient
 from triggerflow.settings import Settings
+from triggerflow.skew import ClockCheck
 from triggerflow.store.postgres import Database
 from triggerflow.testing import InMemory
 from triggerflow.triggers import DateTimeTrigger
@@ -97,3 +98,15 @@ async def test_a_consumer_300s_ahead_fires_nothing_early_and_a_peer_runs_on_time
     assert await db.fetchval(
         "SELECT ti.state = 'deferred' AND t.owner_id = $1 FROM task_instance ti "
         "JOIN trigger t ON t.id = ti.trigger_id WHERE ti.task_id = 'waits'", peer_id)
+
+
+def test_the_skew_is_taken_at_the_round_trips_midpoint_and_a_slow_one_is_ignored() -> None:
+    check = ClockCheck(bound=2.0)
+    assert check.problem() == "clock not yet compared with the database's" and not check.ok
+    check.measure(sent_wall=1000.0, round_trip=0.4, db_time=1000.1)  # answered mid-way
+    assert check.skew is not None and abs(check.skew - 0.1) < 1e-9 and check.ok
+    check.measure(sent_wall=1300.0, round_trip=0.2, db_time=1000.0)
+    assert check.skew is not None and abs(check.skew - 300.1) < 1e-9 and not check.ok
+    assert "clock +300.1s off the database's (max_clock_skew 2s)" in str(check.problem())
+    check.measure(sent_wall=1000.0, round_trip=3.0, db_time=1001.5)  # +-1.5 s: says too little
+    assert check.skew is not None and abs(check.skew - 300.1) < 1e-9

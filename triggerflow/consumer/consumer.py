@@ -223,8 +223,9 @@ class Consumer:
                    else None)
 
     async def adopt(self, taker: Taker, specs: list[TriggerSpec]) -> None:
-        if taker.me != self.me or not self.lease.valid():
+        if taker.me != self.me or not self.lease.valid() or not self.clock_ok:
             # Fenced while the take-over ran: nobody runs what it took under the old id.
+            # (Or our clock went wrong meanwhile: peers run it.)
             with contextlib.suppress(StoreError, TransportError):  # else the reaper's later
                 await self._republish(await self.store.release(taker.me, [s.id for s in specs]))
             return
@@ -321,8 +322,9 @@ class Consumer:
             return
         ids, overflow = self._fit_to_room(batch)
         found = await self.store.claim(me, ids, self.queues)
-        if me != self.me or not self.lease.valid():
+        if me != self.me or not self.lease.valid() or not self.clock_ok:
             # Fenced while the claim ran: nobody runs what it took under the old id.
+            # (Or our clock went wrong meanwhile: peers run it.)
             await self.store.release(me, [s.id for s in found.claimed])
             await self._requeue_all(batch)
             return
