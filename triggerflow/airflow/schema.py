@@ -10,7 +10,7 @@ from __future__ import annotations
 
 SCHEMA = "triggerflow"
 NOTIFY_CHANNEL = "triggerflow_airflow_trigger"
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 # Airflow release -> head of its alembic migrations (``alembic_version.version_num``).
 # The SQL in this package was checked against these; anything else is refused.
@@ -51,6 +51,9 @@ CREATE TABLE IF NOT EXISTS {SCHEMA}.consumer (
 );
 -- schema version 2: a schema set up at version 1 gains the column in place
 ALTER TABLE {SCHEMA}.consumer ADD COLUMN IF NOT EXISTS subscribed boolean NOT NULL DEFAULT true;
+-- schema version 3: the broker presence queue of the consumer's current connection (null:
+-- unknown, the lease alone decides)
+ALTER TABLE {SCHEMA}.consumer ADD COLUMN IF NOT EXISTS presence text;
 
 -- Bookkeeping per Airflow trigger row (keyed by Airflow's trigger.id, no foreign key: a
 -- foreign key would put triggers of ours on Airflow's table; orphans are reaped instead).
