@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import subprocess
 from datetime import datetime
 
 from tests.conftest import Processes, wait_until
-from tests.test_faults import all_owned_by, consumer_id, timers
+from tests.test_faults import all_owned_by, timers
 from triggerflow.sdk import TriggerflowClient
 from triggerflow.settings import Settings
 from triggerflow.store.postgres import Database
@@ -26,6 +27,13 @@ PRESENCE_LINE = "closed its broker connection (presence queue"
 async def expires_at(db: Database, consumer: int) -> datetime:
     return await db.fetchval(  # type: ignore[no-any-return]
         "SELECT expires_at FROM consumer WHERE id = $1", consumer)
+
+
+async def consumer_id(db: Database, proc: subprocess.Popen[bytes]) -> int:
+    """The id a started consumer registered under (a loaded machine starts one slowly)."""
+    return int(await wait_until(lambda: db.fetchval(
+        "SELECT max(id) FROM consumer WHERE pid = $1 AND expires_at > now()", proc.pid), 60,
+        message=f"consumer pid {proc.pid} registered"))
 
 
 async def presence_named(db: Database, consumer: int) -> None:
@@ -68,13 +76,20 @@ async def test_a_frozen_consumer_keeps_its_socket_and_is_left_to_its_lease(
     from tests.test_stuck_faults import spy_on_events
 
     procs.writer()
-    sleeper = procs.consume(teams[0])
-    sleeper_id = await consumer_id(db, sleeper)
-    await client.defer_many(timers(200, 15, teams[0]))
-    await wait_until(lambda: all_owned_by(db, sleeper_id, 200), 15, message="sleeper holds all")
-    peer = procs.consume(teams[0])
-    peer_id = await consumer_id(db, peer)
-    await presence_named(db, peer_id)
+    # Both up and hearing deletions before the timers exist: whichever claims them is frozen.
+    started = [procs.consume(teams[0]), procs.consume(teams[0])]
+    by_id = {await consumer_id(db, proc): proc for proc in started}
+    for consumer in by_id:
+        await presence_named(db, consumer)
+    await client.defer_many(timers(200, 12, teams[0]))
+    await wait_until(lambda: db.fetchval(
+        "SELECT count(*) = 200 FROM trigger WHERE owner_id IS NOT NULL"), 15,
+        message="the timers are claimed")
+    sleeper_id = int(await db.fetchval(
+        "SELECT owner_id FROM trigger GROUP BY 1 ORDER BY count(*) DESC LIMIT 1"))
+    sleeper = by_id[sleeper_id]
+    (peer_id,) = set(by_id) - {sleeper_id}
+    peer = by_id[peer_id]
     held = {r["id"] for r in await db.fetch(
         "SELECT id FROM trigger WHERE owner_id = $1", sleeper_id)}
     async with spy_on_events(settings) as spy:
