@@ -22,7 +22,7 @@ from typing import Any
 from triggerflow.lease import Lease
 from triggerflow.store import Store, StoreError
 from triggerflow.telemetry import get_metrics
-from triggerflow.transport import Transport
+from triggerflow.transport import Transport, TransportUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,13 @@ class Presence:
 
     async def connected(self) -> None:
         """On each new broker connection: a new presence queue, named on our row."""
-        self.name = await self.transport.watch_presence(self._heard)
+        try:
+            self.name = await self.transport.watch_presence(self._heard)
+        except TransportUnavailable:
+            raise  # the connection went: the next one tries again
+        except Exception:  # never worth our subscriptions: the lease still fails over
+            log.exception("presence off on this connection; failover waits for the lease")
+            self.name = None
         self._named_on = 0
         await self.announce()
 
