@@ -216,7 +216,8 @@ class RabbitNode:
             "disk_free_limit.absolute = 50MB\n"
             "# as the shipped brokers/rabbitmq/rabbitmq.conf (triggerflow.wire.MAX_MESSAGE_BYTES)\n"
             "max_message_size = 4194304\n")
-        (self.root / "enabled_plugins").write_text("[rabbitmq_management].\n")
+        # the event exchange announces deleted presence queues (transport.presence), as shipped
+        (self.root / "enabled_plugins").write_text("[rabbitmq_management,rabbitmq_event_exchange].\n")
         (self.root / "rabbitmq-env.conf").write_text("ERL_EPMD_ADDRESS=127.0.0.1\n")
         (self.root / "nodename").write_text(self.nodename)
         _chown_tree(self.root, self.user)

@@ -302,6 +302,35 @@ async def test_a_team_cannot_bind_to_another_teams_control_and_never_gets_its_ca
     assert got["spy"] == [], "team-ml received team-data-eng's cancel"
 
 
+# -- presence: no team can announce another team's consumer gone -------------------------
+
+async def test_a_team_cannot_fake_another_teams_consumer_leaving(broker: Broker) -> None:
+    """A peer takes a consumer's triggers over when the broker announces its presence queue
+    deleted (consumer/presence.py). Another team can neither delete that queue, nor take its
+    name first, nor publish an announcement of its own (docs/security.md)."""
+    victim = broker.team(DE)
+    await victim.connect()
+    try:
+        name = await victim.watch_presence(lambda _: None)  # team-data-eng may read presence
+        assert name and name.startswith("amq.gen-")
+        topo = broker.admin.topology
+        async with raw_channel(broker.urls[ML]) as ch:  # the name matches its configure rule
+            with pytest.raises(aiormq.exceptions.ChannelLockedResource):
+                await ch.queue_delete(name)
+        async with raw_channel(broker.urls[ML]) as ch:
+            with pytest.raises((aiormq.exceptions.ChannelLockedResource,
+                                aiormq.exceptions.ChannelAccessRefused)):
+                await ch.declare_queue(name, exclusive=True)
+        async with raw_channel(broker.urls[ML]) as ch:
+            presence = await ch.get_exchange(topo.presence, ensure=False)
+            with pytest.raises(aiormq.exceptions.ChannelAccessRefused):
+                await presence.publish(aio_pika.Message(b"", headers={
+                    "name": name, "vhost": broker.vhost}), "queue.deleted")
+        assert victim.is_open  # and its presence queue still stands for it
+    finally:
+        await victim.close()
+
+
 # -- attack 12b: a multi-queue consumer with a per-team user ------------------------------
 
 def wait_exit(proc: subprocess.Popen[bytes], timeout: float) -> int:

@@ -21,7 +21,7 @@ import jsonschema
 import pytest
 import yaml
 
-from triggerflow.transport.topology import Topology
+from triggerflow.transport.topology import EVENT_EXCHANGE, QUEUE_DELETED, Topology
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE_SCHEMA = Path(__file__).resolve().parents[2] / "shared" / "schemas" / "compose-spec.json"
@@ -200,8 +200,13 @@ def test_team_queues_are_bound_by_their_name() -> None:
             (topology.deferrals_of(queue), queue, queue)]
     queues = {q["name"] for q in DEFINITIONS["queues"]}
     exchanges = {e["name"] for e in DEFINITIONS["exchanges"]}
-    for source, destination, _ in bindings:
-        assert source in exchanges and destination in queues
+    relays = [b for b in DEFINITIONS["bindings"] if b["destination_type"] == "exchange"]
+    for b in DEFINITIONS["bindings"]:
+        if b not in relays:
+            assert b["source"] in exchanges and b["destination"] in queues
+    # the one exchange-to-exchange binding: the event plugin's deleted queues to presence
+    assert [(b["source"], b["destination"], b["routing_key"]) for b in relays] == [
+        (EVENT_EXCHANGE, topology.presence, QUEUE_DELETED)]
 
 
 def test_queue_arguments_match_topology() -> None:

@@ -401,7 +401,8 @@ async def _sigkill_failover_once(client: TriggerflowClient, db: Database, procs:
     dag = f"fo{run}"
     victim = procs.consume(q, **overrides)
     victim_id = await _registered(db, victim)
-    start = datetime.now(UTC) + timedelta(seconds=15)  # room for a slow start on a busy machine
+    # room for a slow start on a busy machine (TRIGGERFLOW_FAILOVER_LEAD: more of it)
+    start = datetime.now(UTC) + timedelta(seconds=float(os.environ.get("TRIGGERFLOW_FAILOVER_LEAD", "15")))
     await client.defer_many([Deferral(TaskKey(dag, f"t{i}", "r"),
                                       DateTimeTrigger(start + timedelta(seconds=2 * i / n)), q)
                              for i in range(n)])

@@ -132,6 +132,10 @@ class Metrics:
             "triggerflow.reaper.taken_over",
             description="Triggers of dead consumers taken over by the reaping consumer",
         )
+        self.presence_lost = m.create_counter(
+            "triggerflow.reaper.presence_lost",
+            description="Peers whose lease was ended when the broker saw their connection close",
+        )
         self.quarantined = m.create_counter(
             "triggerflow.reaper.quarantined", description="Triggers quarantined"
         )

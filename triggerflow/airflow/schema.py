@@ -10,7 +10,7 @@ from __future__ import annotations
 
 SCHEMA = "triggerflow"
 NOTIFY_CHANNEL = "triggerflow_airflow_trigger"
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 # Airflow release -> head of its alembic migrations (``alembic_version.version_num``).
 # The SQL in this package was checked against these; anything else is refused.
@@ -51,9 +51,12 @@ CREATE TABLE IF NOT EXISTS {SCHEMA}.consumer (
     -- its clock minus the database's, seconds, as it last measured (NULL: not yet)
     clock_skew double precision
 );
--- schema versions 2 and 3: a schema set up earlier gains the columns in place
+-- schema versions 2-4: a schema set up earlier gains the columns in place
 ALTER TABLE {SCHEMA}.consumer ADD COLUMN IF NOT EXISTS subscribed boolean NOT NULL DEFAULT true;
 ALTER TABLE {SCHEMA}.consumer ADD COLUMN IF NOT EXISTS clock_skew double precision;
+-- schema version 4: the broker presence queue of the consumer's current connection (null:
+-- unknown, the lease alone decides)
+ALTER TABLE {SCHEMA}.consumer ADD COLUMN IF NOT EXISTS presence text;
 
 -- Bookkeeping per Airflow trigger row (keyed by Airflow's trigger.id, no foreign key: a
 -- foreign key would put triggers of ours on Airflow's table; orphans are reaped instead).

@@ -42,6 +42,15 @@ RETURNING
        AND c.queues @> $4::text[] AND c.queues <@ $4::text[]) AS peers_running
 """
 
+# as the native statements of the same names (triggerflow/store/postgres/statements.py)
+ANNOUNCE_PRESENCE = f"UPDATE {SCHEMA}.consumer SET presence = $2 WHERE id = $1 RETURNING id"
+
+PRESENCE_GONE = f"""
+UPDATE {SCHEMA}.consumer SET expires_at = now(), renewed_at = now() - (expires_at - renewed_at)
+WHERE presence = $1 AND kind = 'consumer' AND expires_at > now() AND queues && $2::text[]
+RETURNING id
+"""
+
 UNREGISTER = f"""
 WITH stragglers AS (
     UPDATE {SCHEMA}.trigger_state SET owner_id = NULL, published_at = now() - interval '1 day'

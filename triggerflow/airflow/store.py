@@ -149,6 +149,12 @@ class AirflowStore:
     async def unregister(self, me: int) -> None:
         await self._execute(sql.UNREGISTER, me)
 
+    async def announce_presence(self, me: int, presence: str) -> bool:
+        return bool(await self._fetch(sql.ANNOUNCE_PRESENCE, me, presence))
+
+    async def presence_gone(self, presence: str, queues: Sequence[str]) -> list[int]:
+        return [r["id"] for r in await self._fetch(sql.PRESENCE_GONE, presence, list(queues))]
+
     # -- consumer ------------------------------------------------------------------------
 
     async def claim(self, me: int, ids: Sequence[int], queues: Sequence[str]) -> ClaimResult:

@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 from triggerflow.consumer.freezer import Freezer
 from triggerflow.consumer.observe import ConsumerObserver
 from triggerflow.consumer.outcomes import EncodeFn, Outcomes
+from triggerflow.consumer.presence import Presence
 from triggerflow.consumer.probation import Probation
 from triggerflow.consumer.rebalance import excess
 from triggerflow.consumer.reconcile import Reconciler
@@ -93,6 +94,8 @@ class Consumer:
         self._wakeups: asyncio.Queue[Wakeup] = asyncio.Queue()
         self._pending_ids = 0
         self._reap_now = asyncio.Event()
+        self.presence = Presence(store, transport, self.lease, self.queues, self._reap_now)
+        self.subscriptions.on_session = self.presence.connected
         self._claim_lock = asyncio.Lock()
         self._background: set[asyncio.Task[Any]] = set()  # strong refs until done
         self._tasks: list[asyncio.Task[Any]] = []
@@ -493,6 +496,7 @@ class Consumer:
             return
         self.metrics.renewals.add(1)
         self._check_clock()
+        await self.presence.announce()
         if renewal.dead_peers:
             self._reap_now.set()
         self._maybe_rebalance(renewal.live_peers, renewal.peers_running)
@@ -530,6 +534,7 @@ class Consumer:
         old = self.me
         await self.lease.register()
         await self.subscriptions.set_control(self.me, self._on_control)  # named after our id
+        await self.presence.announce()
         log.info("consumer %s replaced by %s", old, self.me)
 
     def _maybe_rebalance(self, live_peers: int, peers_running: int) -> None:

@@ -212,6 +212,17 @@ class Store(Protocol):
         """Leave; triggers still owned are freed and dated back so they are re-sent at once."""
         ...
 
+    async def announce_presence(self, me: int, presence: str) -> bool:
+        """Name the broker presence queue of my current connection (the one whose deletion
+        says my connection closed); False when my row is gone."""
+        ...
+
+    async def presence_gone(self, presence: str, queues: Sequence[str]) -> list[int]:
+        """The broker deleted ``presence``: end now the lease of the live consumer of one of
+        ``queues`` whose current connection it named, as if it had expired (the same
+        incarnation only: a consumer that reconnected named another); returns its id."""
+        ...
+
     # -- consumer ------------------------------------------------------------------------
 
     async def claim(self, me: int, ids: Sequence[int], queues: Sequence[str]) -> ClaimResult:

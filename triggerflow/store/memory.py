@@ -96,6 +96,7 @@ class Process:
     ttl: float = 0.0
     subscribed: bool = False  # on the broker, as of the last renewal (counted only then)
     clock_skew: float | None = None  # its clock minus ours, as it last measured
+    presence: str | None = None  # its broker connection's presence queue
 
 
 class MemoryStore:
@@ -178,6 +179,21 @@ class MemoryStore:
             if t.owner == me:  # dated back: the next reaper sweep re-sends it at once
                 t.owner, t.dispatched_at = None, self.clock() - 86400
         self.processes.pop(me, None)
+
+    async def announce_presence(self, me: int, presence: str) -> bool:
+        p = self.processes.get(me)
+        if p is None:
+            return False
+        p.presence = presence
+        return True
+
+    async def presence_gone(self, presence: str, queues: Sequence[str]) -> list[int]:
+        now = self.clock()
+        gone = [pid for pid, p in self.processes.items()
+                if p.presence == presence and p.expires_at > now and set(p.queues) & set(queues)]
+        for pid in gone:
+            self.processes[pid].expires_at = now
+        return gone
 
     # -- consumer ------------------------------------------------------------------------
 

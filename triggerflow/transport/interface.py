@@ -130,6 +130,13 @@ class Transport(Protocol):
         private queue bound to each queue's control exchange)."""
         ...
 
+    async def watch_presence(self, on_gone: Callable[[str], None]) -> str | None:
+        """Make this connection's presence known and hear of others': returns the name of
+        our presence queue, which the broker deletes the moment this connection closes, and
+        calls ``on_gone(name)`` whenever another presence queue is deleted. None when the
+        broker cannot tell (then only the lease fails over)."""
+        ...
+
     async def unsubscribe(self, tag: str) -> None:
         """Stop a subscription; its unacked deliveries stay ours until acked or closed."""
         ...

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from triggerflow.transport.interface import (
@@ -61,6 +61,15 @@ class MemoryBroker:
         self.queues: dict[str, _Queue] = {EVENTS_QUEUE: _Queue()}
         self.dead: list[Message] = []
         self._tags = itertools.count(1)
+        # presence: each connection's queue name, and who hears of one going
+        self._presence = itertools.count(1)
+        self.watchers: dict[str, Callable[[str], None]] = {}
+
+    def presence_gone(self, name: str) -> None:
+        """The broker deleted ``name`` (its connection closed): every other watcher hears."""
+        if self.watchers.pop(name, None) is not None:
+            for on_gone in list(self.watchers.values()):
+                asyncio.get_running_loop().call_soon(on_gone, name)
 
     def declare(self, *names: str) -> None:
         for name in names:
@@ -147,6 +156,7 @@ class MemoryTransport:
         self._unacked: dict[int, MemoryDelivery] = {}
         self._subs: dict[str, _Subscription] = {}
         self._handlers: set[asyncio.Future[None]] = set()  # strong refs until done
+        self.presence: str | None = None
         self.published_wakeups: list[tuple[str, list[int]]] = []  # for assertions
 
     @property
@@ -174,6 +184,9 @@ class MemoryTransport:
             self.broker._put(delivery._sub.queue, delivery.message, front=True)
         self._unacked.clear()
         self._closed.set()
+        if self.presence is not None:
+            self.broker.presence_gone(self.presence)
+            self.presence = None
 
     async def kill(self) -> None:
         """Lose the connection as a broker restart would."""
@@ -222,6 +235,12 @@ class MemoryTransport:
                                 prefetch: int, queues: Sequence[str]) -> str:
         self.broker.declare(f"control.{consumer_id}")
         return await self.subscribe(f"control.{consumer_id}", handler, prefetch=prefetch)
+
+    async def watch_presence(self, on_gone: Callable[[str], None]) -> str | None:
+        self._check()
+        self.presence = f"presence.{next(self.broker._presence)}"
+        self.broker.watchers[self.presence] = on_gone
+        return self.presence
 
     async def unsubscribe(self, tag: str) -> None:
         self._check()

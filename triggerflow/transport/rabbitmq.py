@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
 
 import aio_pika
@@ -38,6 +38,7 @@ from triggerflow.transport.interface import (
     Unroutable,
 )
 from triggerflow.transport.management import ManagementClient, vhost_of
+from triggerflow.transport.presence import relay_deleted_queues, watch_presence
 from triggerflow.transport.topology import Topology
 from triggerflow.wire import (
     HEADER_REASON,
@@ -211,6 +212,8 @@ class RabbitTransport:
         for team in team_queues:
             q = await ch.declare_queue(team, durable=True, arguments=args)
             await q.bind(t.deferrals_of(team), team)
+        assert self.connection is not None
+        await relay_deleted_queues(self.connection, t)
         if self.management_url is None:
             log.warning("queue length limits not set (they need the management API: set "
                         "TRIGGERFLOW_MANAGEMENT_URL, or load the policies of "
@@ -339,6 +342,13 @@ class RabbitTransport:
                     _connection_errors():
                 await q.bind(exchange, str(consumer_id))
         return tag
+
+    async def watch_presence(self, on_gone: Callable[[str], None]) -> str | None:
+        if self.connection is None:
+            raise TransportUnavailable("not connected")
+        async with _connection_errors():
+            return await watch_presence(self.connection, self.topology, vhost_of(self.url),
+                                        on_gone)
 
     async def unsubscribe(self, tag: str) -> None:
         async with _connection_errors():

@@ -62,6 +62,8 @@ class Subscriptions:
         self.refusals = Refusals("the broker", AccessRefused, log)
         self._renewing: set[str] = set()  # healthy subscriptions being renewed right now
         self._opening = asyncio.Lock()  # one open() at a time: two would subscribe twice
+        # run on each new connection once subscribed (a consumer's presence queue)
+        self.on_session: Callable[[], Awaitable[None]] | None = None
 
     def add(self, queue: str, handler: DeliveryHandler) -> None:
         self._wanted[queue] = partial(self.transport.subscribe, queue, handler,
@@ -124,6 +126,8 @@ class Subscriptions:
         await self.open()
         if self._control is not None:
             await self._subscribe_control()
+        if self.on_session is not None:
+            await self.on_session()
         self.refusals.reset()
         self.connected.set()
         if on_connected is not None:

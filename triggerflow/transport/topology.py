@@ -10,6 +10,11 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+# The event exchange plugin (rabbitmq_event_exchange) publishes the broker's own events here,
+# in the virtual host of its ``event_exchange.vhost`` setting ("/" by default).
+EVENT_EXCHANGE = "amq.rabbitmq.event"
+QUEUE_DELETED = "queue.deleted"
+
 
 @dataclass(frozen=True)
 class Topology:
@@ -65,9 +70,16 @@ class Topology:
     def dead_queue(self) -> str:
         return f"{self.namespace}.dead"
 
+    @property
+    def presence(self) -> str:
+        """Where the broker announces deleted queues: bound from :data:`EVENT_EXCHANGE` for
+        :data:`QUEUE_DELETED` only, so a team user reading it learns which queues went, not
+        the rest of the broker's events (logins, users, connections)."""
+        return f"{self.namespace}.presence"
+
     def exchanges(self) -> dict[str, str]:
         """The shared exchanges (see :meth:`team_exchanges` for each queue's own)."""
-        return {self.events: "topic", self.dead: "topic"}
+        return {self.events: "topic", self.dead: "topic", self.presence: "fanout"}
 
     def team_exchanges(self, queue: str) -> dict[str, str]:
         return {self.deferrals_of(queue): "direct", self.control_of(queue): "direct"}

@@ -131,6 +131,22 @@ WITH stragglers AS (
 DELETE FROM consumer WHERE id = $1
 """
 
+# The broker presence queue of the consumer's current connection (named again after each
+# reconnect and each new registration).
+ANNOUNCE_PRESENCE = "UPDATE consumer SET presence = $2 WHERE id = $1 RETURNING id"
+
+# The broker deleted a presence queue: its connection closed (a killed process). End that
+# lease now, as its expiry would have, for the peers of its queues to reap at once. Only the
+# incarnation that named it: a consumer that reconnected or re-registered named another.
+# The lease's length is kept (renewed_at moves with expires_at), so REAP_DEAD's witness test
+# judges the loss as it judges an expiry: a crash while running a trigger is blamed on it.
+# Row security holds a team's consumer role to rows of its own queues.
+PRESENCE_GONE = """
+UPDATE consumer SET expires_at = now(), renewed_at = now() - (expires_at - renewed_at)
+WHERE presence = $1 AND kind = 'consumer' AND expires_at > now() AND queues && $2::text[]
+RETURNING id
+"""
+
 _CLAIM_COLUMNS = """
     c.id, c.attempt, c.classpath, c.kwargs, c.queue, c.failures, c.traceparent,
     extract(epoch FROM c.timeout_at)::float8 AS timeout_at,

@@ -1,0 +1,44 @@
+"""Presence: the broker said a consumer's connection closed. Its lease ends at once, for
+that incarnation only and only at the hands of a peer of its queues, and the loss is judged
+as an expiry would be. Every store, the same cases."""
+
+from __future__ import annotations
+
+from tests.contract.backends import Backend, register
+from tests.contract.test_failover import TTL, freed
+
+A, B = "team-a", "team-b"
+
+
+async def test_a_closed_connection_ends_that_incarnations_lease_as_an_expiry_would(
+    backend: Backend,
+) -> None:
+    store = backend.store
+    trigger = await backend.defer(A)
+    peer = await register(backend, [A], TTL)
+    victim = await register(backend, [A], TTL)
+    assert [s.id for s in (await store.claim(victim, [trigger], [A])).claimed] == [trigger]
+    assert await store.announce_presence(victim, "amq.gen-first")
+    assert await store.announce_presence(victim, "amq.gen-second")  # it reconnected
+    await backend.travel(1)
+    assert await store.renew(peer, TTL, 0, [A]) is not None
+
+    assert await store.presence_gone("amq.gen-first", [A]) == []  # an older connection's
+    assert await store.presence_gone("amq.gen-second", [B]) == []  # not a peer's word
+    assert await store.renew(victim, TTL, 1, [A]) is not None  # neither ended anything
+    assert await store.presence_gone("amq.gen-second", [A]) == [victim]
+    assert await store.presence_gone("amq.gen-second", [A]) == []  # ended once
+
+    await backend.travel(0.1)
+    assert await store.renew(victim, TTL, 1, [A]) is None  # it finds itself fenced
+    reaped = await store.reap_dead([A], max_failures=5)
+    assert reaped.dead_owners == 1
+    # the peer stayed valid across the victim's end with a lease no longer: witnessed, blamed
+    assert freed(reaped) == [(trigger, 1, False)]
+
+
+async def test_a_gone_row_names_nothing(backend: Backend) -> None:
+    me = await register(backend, [A], TTL)
+    await backend.store.unregister(me)
+    assert not await backend.store.announce_presence(me, "amq.gen-late")
+    assert await backend.store.presence_gone("amq.gen-late", [A]) == []
