@@ -21,7 +21,9 @@ needs the ``triggerflow[airflow]`` extra). ``--quick``
 runs tiny sizes (a smoke test). Raw results go to ``bench-results/``; a full run also
 plots the burst latency distributions to ``docs/img/burst-latency.png``.
 
-The package is also the process the ``defer`` scenario runs 1 or 8 of
+It lives in the source tree, not the wheel: ``triggerflow bench`` imports it from the checkout
+the package was installed from, and the processes it starts find it through ``PYTHONPATH``
+(``common.CHECKOUT``). It is also the process the ``defer`` scenario runs 1 or 8 of
 (``python -m bench sdk-worker ...``, see ``defer.py``) and exports
 ``SleepTrigger``, the coroutine trigger of the capacity scenario; keep the top-level imports
 of its modules light, consumers import it.

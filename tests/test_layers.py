@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import tomllib
+from fnmatch import fnmatch
 from pathlib import Path
 
 import pytest
@@ -28,3 +30,18 @@ def test_trigger_api_imports_no_network_client() -> None:
     code = ("import sys, triggerflow.triggers as t; assert 'httpx' not in sys.modules; "
             "t.HttpTrigger; assert 'httpx' in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=60)
+
+
+def test_the_wheel_carries_the_runtime_and_the_demo_only() -> None:
+    """`make demo` installs the package alone, so the demo ships; the bench, the test stack
+    and the docs generator stay in the source tree."""
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    include = config["tool"]["setuptools"]["packages"]["find"]["include"]
+    packages = {
+        ".".join(init.parent.relative_to(ROOT).parts)
+        for top in ROOT.iterdir() if (top / "__init__.py").is_file()
+        for init in top.rglob("__init__.py")
+    }
+    shipped = {p.partition(".")[0] for p in packages if any(fnmatch(p, i) for i in include)}
+    assert shipped == {"triggerflow", "triggerflow_demo"}
+    assert {"bench", "tests", "tools"} <= {p.partition(".")[0] for p in packages}
