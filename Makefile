@@ -39,7 +39,7 @@ demo: $(STAMP_RUN) services
 
 lint: venv
 	$(BIN)/ruff check
-	$(BIN)/mypy triggerflow
+	$(BIN)/mypy
 	$(BIN)/lint-imports
 
 # Everyday work: lint, types, import contracts and the tests that need no service.

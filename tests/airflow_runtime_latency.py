@@ -19,9 +19,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from tests.airflow_stack import AirflowStack
 from tests.airflow_support import serve_with_triggerflow
 from tests.conftest import ROOT
-from triggerflow.bench.airflow_stack import AirflowStack
 
 DAG_ID = "tf_runtime_latency"
 CONN_ID, VARIABLE = "tf_runtime_conn", "tf_runtime_variable"

@@ -28,8 +28,8 @@ from typing import Any
 import asyncpg
 import pytest
 
+from tests.airflow_stack import AirflowStack
 from tests.conftest import FAST, admin_sql, drop_database_sql
-from triggerflow.bench.airflow_stack import AirflowStack
 
 AIRFLOW_TEMPLATE = f"tf_airflow_template_{os.getpid()}"
 # A fixed test key: rows encrypted by Airflow's code in a test decrypt with the same key.

@@ -150,7 +150,7 @@ def settings(dsn: str, namespace: str, teams: list[str], services: SuiteServices
         amqp_url=services.amqp,
         management_url=services.management,
         namespace=namespace,
-        allowed_modules=["triggerflow.triggers", "triggerflow.examples", "tests.triggers"],
+        allowed_modules=["triggerflow.triggers", "tests.triggers"],
         **FAST,  # type: ignore[arg-type]
     )
 

@@ -1,5 +1,5 @@
 """The Airflow bench's rows are Airflow's: the task instances and trigger rows that
-``triggerflow.bench.airflow_seed`` writes in bulk equal, column for column, those a real
+``bench.airflow_seed`` writes in bulk equal, column for column, those a real
 deferral writes when Airflow's scheduler runs the same DAG (worker, task runner, execution
 API), for the same instant. Then ``bench airflow --quick`` resumes a small burst both ways."""
 
@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from triggerflow.bench.airflow import QUEUE, QUICK, seed_rows
-from triggerflow.bench.airflow_seed import DAG_ID, bench_dag
-from triggerflow.bench.airflow_stack import AirflowStack
+from bench.airflow import QUEUE, QUICK, seed_rows
+from bench.airflow_seed import DAG_ID, bench_dag
+from tests.airflow_stack import AirflowStack
 
 N = 3
 QUICK_N = QUICK.counts[0]

@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from tests.airflow_stack import AirflowStack
 from tests.airflow_support import airflow_template, serve_with_triggerflow, stack_database
 from tests.conftest import ROOT
-from triggerflow.bench.airflow_stack import AirflowStack
 
 __all__ = ["airflow_template"]
 

@@ -129,6 +129,14 @@ def test_the_variable_of_a_command_option_is_used(tmp_path: Path) -> None:
     assert out.read_text().startswith("# Configuration reference")
 
 
+def test_a_source_tree_command_outside_a_checkout_says_where_it_runs() -> None:
+    from triggerflow.cli.tools import from_checkout
+
+    assert from_checkout("bench").__name__ == "bench"  # this checkout has it
+    with pytest.raises(click.UsageError, match="source tree, not the wheel"):
+        from_checkout("no_such_source_tree")
+
+
 # -- configuration errors
 
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import click
 
+from tools.docgen import MAP_END, MAP_START, module_map, with_module_map
 from triggerflow.cli import main
-from triggerflow.docgen import MAP_END, MAP_START, module_map, with_module_map
 from triggerflow.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -165,7 +165,7 @@ def test_the_docs_say_what_make_demo_and_make_test_install() -> None:
 
 
 def test_bench_scenarios_in_the_cli_page_are_the_benchmarks() -> None:
-    from triggerflow.bench.common import SCENARIOS
+    from bench.common import SCENARIOS
 
     page = (ROOT / "docs" / "cli.md").read_text()
     section = page[page.index("### `triggerflow bench"):page.index("### `triggerflow docs config")]

@@ -1,16 +1,20 @@
 """The layering the docs describe, checked on the code's real import graph.
 
-The contracts live in pyproject.toml ([tool.importlinter]): the loops never reach a driver
-or an adapter, the pure modules import no I/O, the store and transport sides never import
-each other. Cycles between modules are checked here with grimp (the graph import-linter uses).
+The contracts live in pyproject.toml ([tool.importlinter]): the layers from the CLI down to
+the pure modules (every module placed, none importing a layer above it), no import cycle
+between the modules of any package, nothing in the runtime importing the demo or the bench,
+the loops never reaching a driver or an adapter, the pure modules importing no I/O, the
+store and transport sides never importing each other.
 """
 
 from __future__ import annotations
 
+import subprocess
 import sys
+import tomllib
+from fnmatch import fnmatch
 from pathlib import Path
 
-import grimp
 import pytest
 from importlinter.cli import lint_imports
 
@@ -22,49 +26,22 @@ def test_import_contracts_hold(monkeypatch: pytest.MonkeyPatch) -> None:
     assert lint_imports(no_cache=True) == 0, "an import contract in pyproject.toml is broken"
 
 
-def _cycles(graph: grimp.ImportGraph, modules: set[str]) -> list[list[str]]:
-    """Strongly connected groups of more than one module (Tarjan)."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    found: list[list[str]] = []
-
-    def visit(m: str) -> None:
-        index[m] = low[m] = len(index)
-        stack.append(m)
-        for n in graph.find_modules_directly_imported_by(m) & modules:
-            if n not in index:
-                visit(n)
-                low[m] = min(low[m], low[n])
-            elif n in stack:
-                low[m] = min(low[m], index[n])
-        if low[m] == index[m]:
-            group = []
-            while True:
-                n = stack.pop()
-                group.append(n)
-                if n == m:
-                    break
-            if len(group) > 1:
-                found.append(sorted(group))
-
-    sys.setrecursionlimit(10_000)
-    for m in sorted(modules):
-        if m not in index:
-            visit(m)
-    return found
-
-
-def test_no_import_cycles_between_modules() -> None:
-    graph = grimp.build_graph("triggerflow", exclude_type_checking_imports=True, cache_dir=None)
-    # A package's __init__ re-exporting its children is not a cycle worth naming.
-    modules = {m for m in graph.modules if not graph.find_children(m)}
-    assert _cycles(graph, modules) == []
-
-
 def test_trigger_api_imports_no_network_client() -> None:
-    import subprocess
-
     code = ("import sys, triggerflow.triggers as t; assert 'httpx' not in sys.modules; "
             "t.HttpTrigger; assert 'httpx' in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=60)
+
+
+def test_the_wheel_carries_the_runtime_and_the_demo_only() -> None:
+    """`make demo` installs the package alone, so the demo ships; the bench, the test stack
+    and the docs generator stay in the source tree."""
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    include = config["tool"]["setuptools"]["packages"]["find"]["include"]
+    packages = {
+        ".".join(init.parent.relative_to(ROOT).parts)
+        for top in ROOT.iterdir() if (top / "__init__.py").is_file()
+        for init in top.rglob("__init__.py")
+    }
+    shipped = {p.partition(".")[0] for p in packages if any(fnmatch(p, i) for i in include)}
+    assert shipped == {"triggerflow", "triggerflow_demo"}
+    assert {"bench", "tests", "tools"} <= {p.partition(".")[0] for p in packages}

@@ -572,8 +572,8 @@ async def test_health_alive_stalled_dead(
 
 
 def test_configuration_reference_is_up_to_date() -> None:
+    from tools.docgen import configuration_reference
     from triggerflow.cli import main
-    from triggerflow.docgen import configuration_reference
 
     page = ROOT / "docs" / "configuration.md"
     assert page.read_text() == configuration_reference(main), (

@@ -33,11 +33,11 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from tests.services import free_port, running_services  # noqa: E402
-from triggerflow.examples.triggers import FailingTrigger  # noqa: E402
 from triggerflow.model import TaskKey  # noqa: E402
 from triggerflow.sdk import Deferral, TriggerflowClient  # noqa: E402
 from triggerflow.settings import Settings  # noqa: E402
 from triggerflow.triggers import DateTimeTrigger  # noqa: E402
+from triggerflow_demo.triggers import FailingTrigger  # noqa: E402
 
 TEAMS = ["team-ml", "team-data-eng"]
 SCRAPE = 2  # seconds
@@ -157,7 +157,7 @@ def main() -> None:
     with running_services(fast=False) as services:
         db_url = f"{services.postgres.url}/triggerflow"
         settings = Settings(database_url=db_url, amqp_url=services.rabbit.url,
-                            allowed_modules=["triggerflow.triggers", "triggerflow.examples"],
+                            allowed_modules=["triggerflow.triggers", "triggerflow_demo.triggers"],
                             capacity=6000)
         env = {k: v for k, v in os.environ.items() if not k.startswith("TRIGGERFLOW_")}
         env.update(settings.as_env())

@@ -1,13 +1,38 @@
-"""``demo``, ``bench`` and ``docs``: the commands that are not part of running triggerflow."""
+"""``demo``, ``bench`` and ``docs``: the commands that are not part of running triggerflow.
+
+The demo is installed with the package (``triggerflow_demo``, beside ``triggerflow`` in the
+wheel); the bench (``bench/``) and the docs generator (``tools/docgen.py``) ship with the
+source tree only, so those commands run from a checkout.
+"""
 
 from __future__ import annotations
 
+import importlib
 import sys
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import click
 
 from triggerflow.cli.options import CONNECTION, build_settings, settings_options
+
+
+def from_checkout(module: str) -> ModuleType:
+    """Import ``module`` from the source tree this package was installed from (an editable
+    install) or from ``sys.path``; a wheel has no such tree, and the error says so."""
+    root = Path(__file__).resolve().parents[2]
+    top = module.partition(".")[0]
+    if (root / top / "__init__.py").is_file() and (root / "pyproject.toml").is_file() \
+            and str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        if exc.name != top:
+            raise
+        raise click.UsageError(f"{module} ships with the source tree, not the wheel: run this "
+                               "from a checkout (pip install -e '.[dev,airflow]')") from None
 
 
 def register(main: click.Group) -> None:
@@ -21,7 +46,7 @@ def register(main: click.Group) -> None:
     @settings_options(*connection)
     def demo(tasks: int, keep_running: bool, **values: Any) -> None:
         """Set up, start a writer, two team consumers and a resumer, defer a mix, show results."""
-        from triggerflow.demo import run_demo
+        from triggerflow_demo.run import run_demo
 
         # the demo's processes get these settings: it reads every variable
         sys.exit(run_demo(build_settings(values, every_variable=True), tasks, keep_running))
@@ -32,8 +57,7 @@ def register(main: click.Group) -> None:
     @settings_options(*connection)
     def bench(scenarios: tuple[str, ...], quick: bool, **values: Any) -> None:
         """Benchmark against the real broker and database; prints a table per scenario."""
-        from triggerflow.bench import run_bench
-
+        run_bench = from_checkout("bench").run_bench
         sys.exit(run_bench(build_settings(values, every_variable=True), list(scenarios), quick))
 
     @main.group()
@@ -45,8 +69,7 @@ def register(main: click.Group) -> None:
                   help="File to write (default stdout).")
     def docs_config(output: str) -> None:
         """Print the configuration reference generated from the settings model."""
-        from triggerflow.docgen import configuration_reference
-
+        configuration_reference = from_checkout("tools.docgen").configuration_reference
         root = click.get_current_context().find_root().command
         assert isinstance(root, click.Group)
         text = configuration_reference(root)
@@ -62,9 +85,6 @@ def register(main: click.Group) -> None:
                   help="Page whose module map is rewritten in place.")
     def docs_modules(page: str) -> None:
         """Rewrite the module map of the architecture page from the package tree."""
-        from pathlib import Path
-
-        from triggerflow.docgen import with_module_map
-
+        with_module_map = from_checkout("tools.docgen").with_module_map
         path = Path(page)
         path.write_text(with_module_map(path.read_text()))

@@ -10,7 +10,7 @@ import re
 import statistics
 import subprocess
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,20 +21,29 @@ SCENARIOS = ("reference", "capacity", "burst", "held", "wide", "steady", "dbload
              "defer", "failover", "million")
 ROLES = ("consumer", "writer", "sdk")
 FAR = 3600.0  # seconds ahead for triggers that must only wait
-PLOT = Path(__file__).resolve().parents[2] / "docs" / "img" / "burst-latency.png"
+# The source tree the bench runs from (it ships with the checkout, not the wheel): the
+# processes it starts import ``bench`` (``SleepTrigger``, the workers) from there.
+CHECKOUT = Path(__file__).resolve().parents[1]
+PLOT = CHECKOUT / "docs" / "img" / "burst-latency.png"
+
+
+def with_checkout(env: Mapping[str, str]) -> dict[str, str]:
+    """``env`` with the checkout first on ``PYTHONPATH``."""
+    path = os.pathsep.join(p for p in (str(CHECKOUT), env.get("PYTHONPATH")) if p)
+    return {**env, "PYTHONPATH": path}
 
 
 class SleepTrigger(BaseTrigger):
     """A coroutine trigger (one task each), for the coroutine row of the capacity scenario."""
 
-    __module__ = "triggerflow.bench"  # its classpath, re-exported by the package
+    __module__ = "bench"  # its classpath, re-exported by the package
 
     def __init__(self, seconds: float, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.seconds = seconds
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
-        return ("triggerflow.bench.SleepTrigger", {"seconds": self.seconds})
+        return ("bench.SleepTrigger", {"seconds": self.seconds})
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         await asyncio.sleep(self.seconds)

@@ -21,9 +21,6 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from triggerflow.examples.operators import TriggerOperator, WaitUntilOperator
-from triggerflow.examples.triggers import FailingTrigger, TaskEndTrigger
-from triggerflow.host import BaseOperator, Host
 from triggerflow.model import TaskKey
 from triggerflow.sdk import TriggerflowClient
 from triggerflow.settings import Settings
@@ -31,6 +28,9 @@ from triggerflow.store.postgres import Database, ensure_database, upgrade_schema
 from triggerflow.supervise import Supervisor, child_env
 from triggerflow.triggers import FileTrigger
 from triggerflow.wiring import make_transport
+from triggerflow_demo.host import BaseOperator, Host
+from triggerflow_demo.operators import TriggerOperator, WaitUntilOperator
+from triggerflow_demo.triggers import FailingTrigger, TaskEndTrigger
 
 TEAMS = ("team-ml", "team-data-eng")
 FINAL = ("success", "failed", "skipped")
@@ -76,7 +76,7 @@ def run_demo(settings: Settings, tasks: int, keep_running: bool) -> int:
 async def _demo(settings: Settings, tasks: int, keep_running: bool) -> int:
     console = Console()
     settings = settings.model_copy(update={
-        "allowed_modules": ["triggerflow.triggers", "triggerflow.examples"]})
+        "allowed_modules": ["triggerflow.triggers", "triggerflow_demo.triggers"]})
     dsn = settings.database_dsn()
     console.print(f"using the services at hand, as they are (nothing is reconfigured): "
                   f"PostgreSQL {_where(dsn)}, RabbitMQ {_where(settings.amqp_dsn())}",

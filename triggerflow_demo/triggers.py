@@ -18,7 +18,7 @@ class TaskEndTrigger(BaseTrigger):
         self.xcoms = xcoms or {}
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
-        return ("triggerflow.examples.triggers.TaskEndTrigger",
+        return ("triggerflow_demo.triggers.TaskEndTrigger",
                 {"delay": self.delay, "xcoms": self.xcoms})
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
@@ -35,7 +35,7 @@ class FailingTrigger(BaseTrigger):
         self.message = message
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
-        return ("triggerflow.examples.triggers.FailingTrigger",
+        return ("triggerflow_demo.triggers.FailingTrigger",
                 {"delay": self.delay, "message": self.message})
 
     async def run(self) -> AsyncIterator[TriggerEvent]:

@@ -21,8 +21,10 @@ needs the ``triggerflow[airflow]`` extra). ``--quick``
 runs tiny sizes (a smoke test). Raw results go to ``bench-results/``; a full run also
 plots the burst latency distributions to ``docs/img/burst-latency.png``.
 
-The package is also the process the ``defer`` scenario runs 1 or 8 of
-(``python -m triggerflow.bench sdk-worker ...``, see ``defer.py``) and exports
+It lives in the source tree, not the wheel: ``triggerflow bench`` imports it from the checkout
+the package was installed from, and the processes it starts find it through ``PYTHONPATH``
+(``common.CHECKOUT``). It is also the process the ``defer`` scenario runs 1 or 8 of
+(``python -m bench sdk-worker ...``, see ``defer.py``) and exports
 ``SleepTrigger``, the coroutine trigger of the capacity scenario; keep the top-level imports
 of its modules light, consumers import it.
 """
@@ -39,9 +41,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from triggerflow.bench.common import FULL, PLOT, QUICK, SCENARIOS, BenchError, SleepTrigger
-from triggerflow.bench.harness import Bench
-from triggerflow.bench.report import RUNNERS, _tables, plot_bursts, table_summary
+from bench.common import FULL, PLOT, QUICK, SCENARIOS, BenchError, SleepTrigger
+from bench.harness import Bench
+from bench.report import RUNNERS, _tables, plot_bursts, table_summary
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -53,7 +55,7 @@ def run_bench(settings: Settings, scenarios: list[str], quick: bool) -> int:
     from rich.console import Console
 
     if scenarios == ["airflow"]:  # Airflow mode: a real Airflow stack, not the native harness
-        from triggerflow.bench.airflow import run_airflow_bench
+        from bench.airflow import run_airflow_bench
 
         return run_airflow_bench(settings, quick)
     unknown = [s for s in scenarios if s not in SCENARIOS]

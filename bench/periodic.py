@@ -15,8 +15,8 @@ import asyncio
 import contextlib
 from typing import TYPE_CHECKING, Any
 
-from triggerflow.bench.common import BenchError, num
-from triggerflow.bench.harness import Bench, _run_id
+from bench.common import BenchError, num
+from bench.harness import Bench, _run_id
 
 if TYPE_CHECKING:
     from rich.table import Table

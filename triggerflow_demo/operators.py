@@ -5,8 +5,8 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from triggerflow.host import BaseOperator
 from triggerflow.triggers import BaseTrigger, DateTimeTrigger
+from triggerflow_demo.host import BaseOperator
 
 
 class WaitUntilOperator(BaseOperator):

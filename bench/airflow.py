@@ -40,10 +40,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from triggerflow.bench.airflow_seed import bench_dag
-from triggerflow.bench.airflow_stack import AirflowStack
-from triggerflow.bench.airflow_waiting import roles, waiting
-from triggerflow.bench.common import dist, median_of
+from bench.airflow_seed import bench_dag
+from bench.airflow_waiting import roles, waiting
+from bench.common import dist, median_of, with_checkout
+from tests.airflow_stack import AirflowStack
 
 if TYPE_CHECKING:
     from triggerflow.settings import Settings
@@ -259,9 +259,10 @@ def _burst(stack: AirflowStack, db: _Db, served: Served, n: int, limit: float, p
 def seed_rows(stack: AirflowStack, n: int, lead: float, instant: str | None = None,
               ) -> dict[str, Any]:
     """Run ``airflow_seed`` in the stack's environment (see its doc); returns its report."""
-    done = subprocess.run([sys.executable, "-m", "triggerflow.bench.airflow_seed", str(n),
+    done = subprocess.run([sys.executable, "-m", "bench.airflow_seed", str(n),
                            str(lead), QUEUE, *([instant] if instant else [])],
-                          env=stack.env, capture_output=True, text=True, timeout=600, check=False)
+                          env=with_checkout(stack.env), capture_output=True, text=True,
+                          timeout=600, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"seeding {n} rows failed:\n{done.stderr[-4000:]}")
     result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
@@ -277,8 +278,8 @@ def run_airflow_bench(settings: Settings, quick: bool) -> int:
 
     from rich.console import Console
 
-    from triggerflow.bench.airflow_native import native_bursts
-    from triggerflow.bench.airflow_report import table_airflow, table_targets
+    from bench.airflow_native import native_bursts
+    from bench.airflow_report import table_airflow, table_targets
 
     console = Console(log_path=False, width=None if sys.stdout.isatty() else 150)
     server_url = urlunsplit(urlsplit(settings.database_dsn())._replace(path="", query=""))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from triggerflow.bench.common import ms, num
+from bench.common import ms, num
 
 AIRFLOW_TRIGGERER = "airflow triggerer"
 TRIGGERFLOW = "triggerflow"

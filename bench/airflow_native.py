@@ -15,9 +15,9 @@ import functools
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from triggerflow.bench.common import FULL, QUICK, median_of
-from triggerflow.bench.harness import Bench
-from triggerflow.bench.scenarios import _burst_once
+from bench.common import FULL, QUICK, median_of
+from bench.harness import Bench
+from bench.scenarios import _burst_once
 
 if TYPE_CHECKING:
     from rich.console import Console

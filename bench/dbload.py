@@ -11,9 +11,9 @@ import uuid
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
-from triggerflow.bench.common import BenchError, _Rollback, cpu_percent, num
-from triggerflow.bench.harness import Bench, _run_id
-from triggerflow.bench.scenarios import _burst_once, _steady_once
+from bench.common import BenchError, _Rollback, cpu_percent, num
+from bench.harness import Bench, _run_id
+from bench.scenarios import _burst_once, _steady_once
 
 if TYPE_CHECKING:
     from rich.table import Table

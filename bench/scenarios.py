@@ -10,7 +10,7 @@ import time
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
-from triggerflow.bench.common import (
+from bench.common import (
     FAR,
     BenchError,
     SleepTrigger,
@@ -22,8 +22,8 @@ from triggerflow.bench.common import (
     num,
     pct,
 )
-from triggerflow.bench.harness import Bench, _run_id
-from triggerflow.bench.reference import reference_run
+from bench.harness import Bench, _run_id
+from bench.reference import reference_run
 
 if TYPE_CHECKING:
     from rich.table import Table

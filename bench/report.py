@@ -7,15 +7,15 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from triggerflow.bench.common import TARGETS, Sizes, ms, num
-from triggerflow.bench.dbload import scenario_dbload, tables_dbload
-from triggerflow.bench.defer import scenario_defer, table_defer
-from triggerflow.bench.failover import scenario_failover, table_failover
-from triggerflow.bench.harness import Bench
-from triggerflow.bench.million import million_checks, scenario_million, table_million
-from triggerflow.bench.periodic import scenario_periodic, tables_periodic
-from triggerflow.bench.reference import scenario_reference, table_reference
-from triggerflow.bench.scenarios import (
+from bench.common import TARGETS, Sizes, ms, num
+from bench.dbload import scenario_dbload, tables_dbload
+from bench.defer import scenario_defer, table_defer
+from bench.failover import scenario_failover, table_failover
+from bench.harness import Bench
+from bench.million import million_checks, scenario_million, table_million
+from bench.periodic import scenario_periodic, tables_periodic
+from bench.reference import scenario_reference, table_reference
+from bench.scenarios import (
     scenario_burst,
     scenario_capacity,
     scenario_held,
@@ -24,7 +24,7 @@ from triggerflow.bench.scenarios import (
     table_capacity,
     table_steady,
 )
-from triggerflow.bench.wide import scenario_wide, table_wide
+from bench.wide import scenario_wide, table_wide
 
 if TYPE_CHECKING:
     from rich.table import Table

@@ -1,6 +1,6 @@
 """The bare reference of the burst path, and the process that runs it.
 
-One process (``python -m triggerflow.bench reference-worker``) does only what the event path
+One process (``python -m bench reference-worker``) does only what the event path
 must do: N timers on ``loop.call_at`` fire at one instant, their events are coalesced into
 confirmed publishes of ``event_batch`` each to a quorum queue, the same process consumes them
 and applies each delivery with one ``UPDATE task_instance ... FROM unnest(...)``, and acks it
@@ -19,12 +19,12 @@ import time
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
-from triggerflow.bench.common import BenchError, dist, median_of, ms, pct
+from bench.common import BenchError, dist, median_of, ms, pct
 
 if TYPE_CHECKING:
     from rich.table import Table
 
-    from triggerflow.bench.harness import Bench
+    from bench.harness import Bench
 
 APPLY = """
 UPDATE task_instance ti SET state = 'scheduled',
@@ -43,7 +43,7 @@ def reference_queue(b: Bench) -> str:
 async def reference_once(b: Bench, n: int, rate: float = 0.0) -> dict[str, Any]:
     """One reference burst of ``n``: its latencies from the database, like a burst's. With
     ``rate``, the instants are spread ``1 / rate`` apart instead (a steady rate's reference)."""
-    from triggerflow.bench.harness import _run_id
+    from bench.harness import _run_id
 
     run = _run_id(f"ref{n}")
     await b.db().execute(
@@ -54,7 +54,7 @@ async def reference_once(b: Bench, n: int, rate: float = 0.0) -> dict[str, Any]:
     # The worker sets its instant itself once it has imported, connected, read its ids and
     # warmed up: on a loaded machine that takes longer than any fixed lead.
     worker = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "triggerflow.bench", "reference-worker", "--run-id", run,
+        sys.executable, "-m", "bench", "reference-worker", "--run-id", run,
         "--queue", reference_queue(b), "--lead", str(1.0 + n / 20_000), "--rate", str(rate),
         env=b.env("writer"), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     stdout, stderr = await worker.communicate()
@@ -208,7 +208,7 @@ def _worker_main(argv: list[str]) -> int:
 
     import uvloop
 
-    p = argparse.ArgumentParser(prog="triggerflow.bench reference-worker")
+    p = argparse.ArgumentParser(prog="bench reference-worker")
     p.add_argument("--run-id", required=True)
     p.add_argument("--queue", required=True)
     p.add_argument("--lead", type=float, required=True)

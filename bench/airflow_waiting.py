@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from triggerflow.bench.common import _with_user
+from bench.common import _with_user
 
 PROCESS_ROLES = {"tf-writer": "tfaf_writer", "tf-consume": "tfaf_consumer"}
 HELD_SQL = "SELECT count(*) FROM triggerflow.trigger_state WHERE owner_id IS NOT NULL"

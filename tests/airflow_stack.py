@@ -25,7 +25,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -38,6 +37,8 @@ from typing import Any
 
 import httpx
 
+from tests.services import free_port
+
 SERVICES = ("scheduler", "api-server", "dag-processor")
 STOP_GRACE = 15.0  # seconds a process gets after SIGTERM before SIGKILL
 
@@ -49,12 +50,6 @@ class AirflowStackError(RuntimeError):
 def airflow_bin() -> Path:
     """The ``airflow`` script installed beside this interpreter (the project's venv)."""
     return Path(sys.executable).with_name("airflow")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _admin(server_url: str, statement: str) -> None:
@@ -94,7 +89,7 @@ class AirflowStack:
     extra_env: Mapping[str, str] = field(default_factory=dict)
     home: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="airflow-home-")))
     database: str = field(default_factory=lambda: f"af_{uuid.uuid4().hex[:12]}")
-    port: int = field(default_factory=_free_port)
+    port: int = field(default_factory=free_port)
     processes: dict[str, AirflowProcess] = field(default_factory=dict)
     _created_db: bool = False
     _token: str | None = None

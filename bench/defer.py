@@ -1,4 +1,4 @@
-"""Scenario defer and the SDK worker process it starts (`python -m triggerflow.bench sdk-worker`)."""
+"""Scenario defer and the SDK worker process it starts (`python -m bench sdk-worker`)."""
 
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import time
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
-from triggerflow.bench.common import FAR, BenchError, dist, ms, num
-from triggerflow.bench.harness import Bench, _run_id
+from bench.common import FAR, BenchError, dist, ms, num
+from bench.harness import Bench, _run_id
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -26,7 +26,7 @@ async def _sdk_workers(b: Bench, procs: int, mode: str, *, count: int = 0,
     run = _run_id(f"defer-{mode}")
     env = b.env("sdk")
     workers = [await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "triggerflow.bench", "sdk-worker", "--mode", mode,
+        sys.executable, "-m", "bench", "sdk-worker", "--mode", mode,
         "--count", str(count), "--seconds", str(seconds), "--batch", str(batch),
         "--start-at", str(start_at), "--queue", b.queue, "--run-id", f"{run}-{i}",
         env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
@@ -129,7 +129,7 @@ async def _sdk_worker(args: Any) -> dict[str, Any]:
 def _worker_main(argv: list[str]) -> int:
     import argparse
 
-    p = argparse.ArgumentParser(prog="triggerflow.bench sdk-worker")
+    p = argparse.ArgumentParser(prog="bench sdk-worker")
     p.add_argument("--mode", choices=["single", "batched"], required=True)
     p.add_argument("--count", type=int, default=0)
     p.add_argument("--seconds", type=float, default=0.0)

@@ -1,4 +1,4 @@
-"""``python -m triggerflow.bench.airflow_seed N LEAD QUEUE [INSTANT]``: N deferred DateTimeSensorAsync
+"""``python -m bench.airflow_seed N LEAD QUEUE [INSTANT]``: N deferred DateTimeSensorAsync
 task instances with their trigger rows exactly as Airflow writes them, built with Airflow's
 own code, in the metadata database of the environment (``AIRFLOW__*``, set by AirflowStack).
 

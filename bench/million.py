@@ -19,10 +19,10 @@ import math
 import signal
 from typing import TYPE_CHECKING, Any
 
-from triggerflow.bench.common import BenchError, Proc, _proc_rss, cpu_percent, ms, num
-from triggerflow.bench.harness import Bench, _run_id
-from triggerflow.bench.reference import reference_once
-from triggerflow.bench.scenarios import _steady_once
+from bench.common import BenchError, Proc, _proc_rss, cpu_percent, ms, num
+from bench.harness import Bench, _run_id
+from bench.reference import reference_once
+from bench.scenarios import _steady_once
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -200,7 +200,7 @@ async def scenario_million(b: Bench) -> dict[str, Any]:
 
 def million_checks(res: dict[str, Any]) -> list[tuple[str, str, str, str, bool]]:
     """(target key, metric, value, target text, met) of the scenario's results."""
-    from triggerflow.bench.common import TARGETS
+    from bench.common import TARGETS
 
     big = res["levels"][-1]
     per_s = [lv["db_ms_per_s"] for lv in res["levels"]]

@@ -10,8 +10,8 @@ import signal
 import statistics
 from typing import TYPE_CHECKING, Any
 
-from triggerflow.bench.common import BenchError, median_of, ms, num
-from triggerflow.bench.harness import Bench, _run_id
+from bench.common import BenchError, median_of, ms, num
+from bench.harness import Bench, _run_id
 
 if TYPE_CHECKING:
     from rich.table import Table

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from triggerflow.bench.harness import Bench
-from triggerflow.bench.scenarios import _bursts, table_burst
+from bench.harness import Bench
+from bench.scenarios import _bursts, table_burst
 
 if TYPE_CHECKING:
     from rich.table import Table

@@ -1,4 +1,4 @@
-"""The host's side, for the demo and for tests: an Airflow-shaped operator and a resumer.
+"""The host's side, for the demo: an Airflow-shaped operator and a resumer.
 
 An operator defers in ``execute()`` by raising ``TaskDeferred`` (as Airflow's
 ``self.defer()`` does) and continues in ``execute_complete(context, event)``. The ``Host``

@@ -1,5 +1,5 @@
 """Generates docs/configuration.md from the settings model and the module map of
-docs/architecture.md from the package tree (tests compare both with the pages).
+docs/architecture.md from the source tree (tests compare both with the pages).
 
 Which commands read a setting comes from the CLI itself (the options each command declares),
 so the page cannot drift from ``--help`` either.
@@ -139,10 +139,17 @@ def _summary(path: Path) -> str:
     return (first if end < 0 else first[: end + 1]).replace("|", "\\|")
 
 
-def module_map() -> str:
-    """The module table of docs/architecture.md: every module and package of triggerflow,
-    described by its own docstring, so the map changes when the tree does."""
-    root = Path(__file__).resolve().parent
+# The trees the map describes: (folder, what it is); names in each table are relative to it.
+MAP_ROOTS = (
+    ("triggerflow", "the runtime package"),
+    ("triggerflow_demo", "beside it in the wheel: `triggerflow demo`, its example operators "
+                         "and triggers, and the reference host"),
+    ("bench", "in the source tree only: `triggerflow bench`, run from a checkout"),
+)
+CHECKOUT = Path(__file__).resolve().parents[1]
+
+
+def _table(root: Path) -> list[str]:
     rows = ["| module | what it is |", "|---|---|"]
     for path in sorted(root.rglob("*.py"), key=lambda p: p.relative_to(root).parts):
         rel = path.relative_to(root)
@@ -152,7 +159,16 @@ def module_map() -> str:
         if name == "./":
             continue
         rows.append(f"| `{name}` | {_summary(path)} |")
-    return "\n".join([MAP_START, "", *rows, "", MAP_END])
+    return rows
+
+
+def module_map() -> str:
+    """The module tables of docs/architecture.md: every module and package of each tree in
+    ``MAP_ROOTS``, described by its own docstring, so the map changes when the tree does."""
+    lines = [MAP_START]
+    for folder, what in MAP_ROOTS:
+        lines += ["", f"`{folder}/`, {what}:", "", *_table(CHECKOUT / folder)]
+    return "\n".join([*lines, "", MAP_END])
 
 
 def with_module_map(page: str) -> str:

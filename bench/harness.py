@@ -14,7 +14,8 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from triggerflow.bench.common import (
+from bench.common import (
+    CHECKOUT,
     FAR,
     ROLES,
     BenchError,
@@ -73,7 +74,7 @@ class Bench:
         bench_db = name if name.endswith("_bench") else f"{name}_bench"
         ns = "tfbench" if settings.namespace == "triggerflow" else f"{settings.namespace}-bench"
         admin = with_database(dsn, bench_db)
-        allowed = [*settings.allowed_modules, "triggerflow.triggers", "triggerflow.bench"]
+        allowed = [*settings.allowed_modules, "triggerflow.triggers", "bench"]
         bench_settings = settings.model_copy(update={
             "database_url": SecretStr(admin), "namespace": ns, "queues": [],
             "allowed_modules": list(dict.fromkeys(allowed)),
@@ -285,7 +286,7 @@ class Bench:
     # -- processes ------------------------------------------------------------------------
 
     def env(self, role: str, **overrides: Any) -> dict[str, str]:
-        env = child_env(self.role_settings(role), **overrides)
+        env = child_env(self.role_settings(role), pythonpath=str(CHECKOUT), **overrides)
         env.pop("TRIGGERFLOW_QUEUES", None)  # each process gets its queues as flags
         return env
 

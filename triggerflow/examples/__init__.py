@@ -1,1 +1,0 @@
-"""Example triggers and operators used by the demo (not in the default allowed modules)."""
