@@ -8,15 +8,19 @@ the queue (migration 0008), so A's rows live in A's namespace of keys only.
 
 from __future__ import annotations
 
-import asyncpg
+import asyncio
+import uuid
 
-from tests.conftest import Processes, wait_until
+import asyncpg
+import pytest
+
+from tests.conftest import Processes, admin_sql, drop_database_sql, wait_until
 from tests.test_isolation import team_role
 from tests.triggers import EventAfter, WaitsForever
 from triggerflow.model import TaskKey
 from triggerflow.sdk import Deferral, TriggerflowClient
 from triggerflow.settings import Settings
-from triggerflow.store.postgres import Database
+from triggerflow.store.postgres import Database, upgrade_schema
 from triggerflow.transport.rabbitmq import Topology
 
 DEFERRED = TaskKey("etl", "load", "2030-01-01", 3)  # A defers it first, through the SDK
@@ -62,3 +66,28 @@ async def test_a_team_cannot_squat_on_a_task_key_another_team_defers_later(
     # A's rows are as A left them; B's are its own.
     assert await rows_of(db) == squatted | {("load", theirs, "success", False),
                                             ("report", theirs, "success", False)}
+
+
+async def test_the_upgrade_keeps_existing_task_rows_and_keys_them_per_queue(pg_server: str) -> None:
+    name = f"tf_keys_{uuid.uuid4().hex[:12]}"
+    await admin_sql(pg_server, f'CREATE DATABASE "{name}"')
+    insert = ("INSERT INTO task_instance (dag_id, task_id, run_id, state, queue) "
+              "VALUES ('etl', $1, 'r', 'success', $2)")
+    try:
+        dsn = f"{pg_server}/{name}"
+        await asyncio.to_thread(upgrade_schema, dsn, "0007")
+        conn = await asyncpg.connect(dsn)
+        try:
+            await conn.execute(insert, "load", "team-ml")
+            await conn.execute(insert, "report", None)  # rows the SDK did not write
+            await asyncio.to_thread(upgrade_schema, dsn)
+            assert {tuple(r) for r in await conn.fetch(
+                "SELECT task_id, queue FROM task_instance")} == {("load", "team-ml"),
+                                                                 ("report", None)}
+            await conn.execute(insert, "load", "team-data-eng")  # the key, in another queue
+            with pytest.raises(asyncpg.UniqueViolationError, match="task_instance_queue_key"):
+                await conn.execute(insert, "load", "team-ml")
+        finally:
+            await conn.close()
+    finally:
+        await admin_sql(pg_server, drop_database_sql(name))
