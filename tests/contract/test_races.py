@@ -52,3 +52,18 @@ async def test_an_old_event_leaves_a_task_deferred_again_while_it_waited_on_the_
     await store.claim(me, again, [A])
     assert len(await store.apply_events([event(again[0], 1, A)])) == 1
     assert (await backend.task(t)).state == "scheduled"
+
+
+async def test_a_claim_meeting_a_claim_that_commits_meanwhile_takes_nothing(
+    backend: Backend,
+) -> None:
+    store = backend.store
+    t = await backend.defer(A)  # never claimed: in Airflow, no bookkeeping row yet either
+    first, second = await register(backend, [A], TTL), await register(backend, [A], TTL)
+
+    async def claim(other: Store) -> None:
+        assert [s.id for s in (await other.claim(first, [t], [A])).claimed] == [t]
+
+    found = await backend.race(claim, lambda: store.claim(second, [t], [A]))
+    assert (found.claimed, found.suspects, found.refused) == ([], [], [])
+    assert len(await store.apply_events([event(t, 1, A)])) == 1  # the first claim's attempt
