@@ -334,21 +334,23 @@ async def test_team_database_role_reaches_only_its_own_queues_rows(
             mine = await c.defer(TaskKey("a", "mine", "r"), EventAfter(), queue=teams[0])
             with pytest.raises(StoreError, match="row-level security"):
                 await c.defer(TaskKey("a", "theirs", "r"), EventAfter(), queue=teams[1])
-            with pytest.raises(StoreError, match="row-level security"):  # overwrite B's task
-                await c.defer(TaskKey("bad", "t1", "r"), EventAfter(), queue=teams[0])
+            # B's task key, in A's own queue: a task of A's own (0008), B's row untouched
+            await c.defer(TaskKey("bad", "t1", "r"), EventAfter(), queue=teams[0])
             assert await c.cancel([theirs]) == 0
         conn = await asyncpg.connect(dsn_a)
         try:
-            assert [r["id"] for r in await conn.fetch("SELECT id FROM trigger")] == [mine]
+            seen = [r["id"] for r in await conn.fetch("SELECT id FROM trigger")]
+            assert mine in seen and theirs not in seen and len(seen) == 2  # its own two only
             with pytest.raises(asyncpg.InsufficientPrivilegeError):
                 await conn.execute("INSERT INTO trigger (classpath, kwargs, queue) "
                                    "VALUES ('tests.triggers.EventAfter', '{}', $1)", teams[1])
             assert await conn.execute("DELETE FROM trigger WHERE id = $1", theirs) == "DELETE 0"
         finally:
             await conn.close()
-    rows = dict(await db.fetch("SELECT task_id, state FROM task_instance"))
-    assert rows == {"t1": "deferred", "mine": "deferred"}
-    assert await db.fetchval("SELECT count(*) FROM trigger") == 2
+    rows = {tuple(r) for r in await db.fetch(
+        "SELECT task_id, queue, trigger_id = $1 FROM task_instance", theirs)}
+    assert rows == {("t1", teams[1], True), ("t1", teams[0], False), ("mine", teams[0], False)}
+    assert await db.fetchval("SELECT count(*) FROM trigger") == 3
 
 
 async def test_team_cannot_point_its_tasks_at_another_teams_trigger(

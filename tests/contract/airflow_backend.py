@@ -4,10 +4,21 @@ Airflow 3.3 template database, with triggerflow's schema set up on it."""
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+
 import asyncpg
 
 from tests import airflow_support as af
-from tests.contract.backends import NEXT_KWARGS, TaskView, _execute, _shift, _task_view
+from tests.contract.backends import (
+    NEXT_KWARGS,
+    Meanwhile,
+    T,
+    TaskView,
+    _execute,
+    _shift,
+    _task_view,
+    race_in_sql,
+)
 from triggerflow.airflow.store import AirflowStore
 from triggerflow.store import Store
 
@@ -80,6 +91,10 @@ class AirflowBackend:
         """The task may be retried (``max_tries``), as a task with ``retries=`` set."""
         await _execute(self.dsn, "UPDATE task_instance SET max_tries = $1 WHERE trigger_id = $2",
                        args=(retries, trigger_id))
+
+    async def race(self, meanwhile: Meanwhile, call: Callable[[], Awaitable[T]]) -> T:
+        return await race_in_sql(self.dsn, lambda pool: AirflowStore(pool, self.dsn),
+                                 meanwhile, call)
 
     async def close(self) -> None:
         await self.store.close()

@@ -9,9 +9,12 @@ stores' timestamps go back by as much (their clock is the database's ``now()``).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import asyncpg
 
@@ -20,6 +23,11 @@ from triggerflow.model import TaskKey
 from triggerflow.store import NewDeferral, ProcessKind, Store
 from triggerflow.store.memory import ManualClock, MemoryStore
 from triggerflow.store.postgres import PostgresStore
+
+T = TypeVar("T")
+# Another process's store calls, run in a transaction that commits only once the call under
+# test waits on the rows they locked (a serial store runs them first).
+Meanwhile = Callable[[Store], Awaitable[Any]]
 
 CLASSPATH = "tests.triggers.WaitsForever"
 NEXT_KWARGS = {"k": "v"}
@@ -59,6 +67,10 @@ class Backend(Protocol):
         """Move the task off ``deferred`` by hand (an operator, Airflow's UI)."""
         ...
 
+    async def race(self, meanwhile: Meanwhile, call: Callable[[], Awaitable[T]]) -> T:
+        """``call``, with ``meanwhile`` committed between its snapshot and its row locks."""
+        ...
+
     async def close(self) -> None: ...
 
 
@@ -80,12 +92,13 @@ class MemoryBackend:
         self.memory = MemoryStore(clock=self.clock, codec=KwargsCodec())
         self.store: Store = self.memory
         self._keys: dict[int, TaskKey] = {}
+        self._queues: dict[int, str] = {}
 
     async def defer(self, queue: str, *, timeout: float = 3600.0,
                     stored_kwargs: str | None = None) -> int:
         key = TaskKey("dag", f"task{len(self._keys)}", "run", -1)
         [trigger_id] = await self.store.defer([_deferral(key, queue, timeout, stored_kwargs)])
-        self._keys[trigger_id] = key
+        self._keys[trigger_id], self._queues[trigger_id] = key, queue
         return trigger_id
 
     async def task(self, trigger_id: int) -> TaskView:
@@ -101,6 +114,17 @@ class MemoryBackend:
     async def untime(self, trigger_id: int) -> None:
         """The task waits with no timeout (as a row an older SDK stored)."""
         self.memory.task(self._keys[trigger_id]).trigger_timeout = None
+
+    async def race(self, meanwhile: Meanwhile, call: Callable[[], Awaitable[T]]) -> T:
+        await meanwhile(self.store)  # one call at a time: the other commit comes first
+        return await call()
+
+    async def defer_again(self, trigger_id: int, store: Store) -> int:
+        """The task of ``trigger_id`` deferred again, through ``store``, on a new trigger."""
+        key, queue = self._keys[trigger_id], self._queues[trigger_id]
+        [again] = await store.defer([_deferral(key, queue, 3600.0, None)])
+        self._keys[again], self._queues[again] = key, queue
+        return again
 
     async def close(self) -> None:
         await self.store.close()
@@ -174,3 +198,45 @@ class NativeBackend(MemoryBackend):
     async def untime(self, trigger_id: int) -> None:
         await _execute(self.dsn, "UPDATE task_instance SET trigger_timeout = NULL "
                                  "WHERE trigger_id = $1", args=(trigger_id,))
+
+    async def race(self, meanwhile: Meanwhile, call: Callable[[], Awaitable[T]]) -> T:
+        return await race_in_sql(self.dsn, lambda pool: PostgresStore(pool, KwargsCodec()),
+                                 meanwhile, call)
+
+
+class _HeldPool:
+    """A pool of one connection, inside a transaction its owner commits."""
+
+    def __init__(self, conn: asyncpg.Connection) -> None:
+        self.conn = conn
+
+    @contextlib.asynccontextmanager
+    async def acquire(self) -> AsyncIterator[asyncpg.Connection]:
+        yield self.conn
+
+
+# Sessions that wait on a lock the given backend holds.
+_BLOCKED_BY = "SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid)))"
+
+
+async def race_in_sql(dsn: str, store_on: Callable[[Any], Store], meanwhile: Meanwhile,
+                      call: Callable[[], Awaitable[T]]) -> T:
+    """Run ``meanwhile`` on a store of its own in an open transaction, start ``call``, and
+    commit once ``call`` waits on a row lock that transaction holds: ``call``'s snapshot
+    predates the commit, its row locks come after it (READ COMMITTED re-checks the rows)."""
+    held, watcher = await asyncpg.connect(dsn), await asyncpg.connect(dsn)
+    try:
+        async with asyncio.timeout(30):
+            tx = held.transaction()
+            await tx.start()
+            await meanwhile(store_on(_HeldPool(held)))
+            running = asyncio.ensure_future(call())
+            # until it waits on our lock (or finished without: it read nothing we changed)
+            while not await watcher.fetchval(_BLOCKED_BY, held.get_server_pid()):
+                if (await asyncio.wait([running], timeout=0.01))[0]:
+                    break
+            await tx.commit()
+            return await running
+    finally:
+        await held.close()
+        await watcher.close()

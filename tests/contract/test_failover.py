@@ -215,6 +215,21 @@ async def test_a_task_past_its_timeout_fails_only_after_the_orphan_slack(
     assert await store.time_out_orphans(None, 3600) == [TriggerRef(u, B)]
 
 
+async def test_orphans_timed_out_in_one_pass_each_drop_their_own_trigger(
+    backend: Backend,
+) -> None:
+    only(backend, "memory", "postgres",
+         why="Airflow's scheduler times deferred tasks out (time_out_orphans does nothing)")
+    store = backend.store
+    orphans = [await backend.defer(A, timeout=10) for _ in range(3)]
+    await backend.travel(13)
+    assert sorted(r.id for r in await store.time_out_orphans([A], 3600)) == orphans
+    for t in orphans:
+        assert (await backend.task(t)).state == "scheduled"
+    late = await register(backend, [A], TTL)  # every trigger is gone: nothing left to run
+    assert (await store.claim(late, orphans, [A])).claimed == []
+
+
 async def test_a_probation_claim_that_finds_nothing_records_an_empty_group(
     backend: Backend,
 ) -> None:

@@ -237,7 +237,9 @@ WITH dead AS (
             THEN format('consumer %s died while running it (%s ungraceful losses)',
                         b.owner_id, s.failures + 1)
             ELSE s.last_error END
-    FROM blamed b WHERE s.trigger_id = b.trigger_id
+    -- only while the dead consumer still owns it: a claim that committed while this waited
+    -- on the row is re-checked here (READ COMMITTED) and stands
+    FROM blamed b WHERE s.trigger_id = b.trigger_id AND s.owner_id = b.owner_id
     RETURNING s.trigger_id, s.failures, s.quarantined_at IS NOT NULL AS quarantined, s.last_error
 ), failed AS (
     UPDATE task_instance ti SET state = 'scheduled', next_method = '__fail__',

@@ -107,7 +107,9 @@ class MemoryStore:
         self.clock = clock
         self.codec = codec or KwargsCodec()
         self.triggers: dict[int, StoredTrigger] = {}
-        self.tasks: dict[TaskKey, StoredTask] = {}
+        # Keyed per queue, as the native table (migration 0008): one team's keys never
+        # collide with another's.
+        self.tasks: dict[tuple[TaskKey, str], StoredTask] = {}
         self.processes: dict[int, Process] = {}
         self._ids = itertools.count(1)
         self._process_ids = itertools.count(1)
@@ -117,8 +119,12 @@ class MemoryStore:
 
     # -- helpers for tests ----------------------------------------------------------------
 
-    def task(self, key: TaskKey) -> StoredTask:
-        return self.tasks[key]
+    def task(self, key: TaskKey, queue: str | None = None) -> StoredTask:
+        """The task of ``key`` in ``queue`` (any queue when the key is in only one)."""
+        if queue is not None:
+            return self.tasks[key, queue]
+        [task] = [t for (k, _), t in self.tasks.items() if k == key]
+        return task
 
     def _task_on(self, trigger_id: int) -> StoredTask | None:
         return next((t for t in self.tasks.values() if t.trigger_id == trigger_id), None)
@@ -459,8 +465,8 @@ class MemoryStore:
             self.triggers[trigger_id] = StoredTrigger(
                 trigger_id, d.classpath, d.stored_kwargs, d.queue, timeout_at, d.traceparent, now)
             key = TaskKey(d.dag_id, d.task_id, d.run_id, d.map_index)
-            self.tasks[key] = StoredTask(key, TaskState.DEFERRED, d.queue, d.next_method,
-                                         json.loads(d.next_kwargs), trigger_id, timeout_at, now)
+            self.tasks[key, d.queue] = StoredTask(key, TaskState.DEFERRED, d.queue, d.next_method,
+                                                   json.loads(d.next_kwargs), trigger_id, timeout_at, now)
             ids.append(trigger_id)
         return ids
 

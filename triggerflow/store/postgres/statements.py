@@ -27,8 +27,10 @@ WITH input AS (
     SELECT dag_id, task_id, run_id, map_index, 'deferred', queue, next_method, next_kwargs::jsonb,
            id, timeout_at, now(), clock_timestamp()
     FROM ids
-    ON CONFLICT (dag_id, task_id, run_id, map_index) DO UPDATE
-    SET state = 'deferred', queue = EXCLUDED.queue, next_method = EXCLUDED.next_method,
+    -- the queue is part of the key (migration 0008): a row of another team's queue never
+    -- collides with this deferral, whatever key that team used first
+    ON CONFLICT (dag_id, task_id, run_id, map_index, queue) DO UPDATE
+    SET state = 'deferred', next_method = EXCLUDED.next_method,
         next_kwargs = EXCLUDED.next_kwargs, trigger_id = EXCLUDED.trigger_id,
         trigger_timeout = EXCLUDED.trigger_timeout, result = NULL, end_date = NULL,
         event_fired_at = NULL, event_applied_at = NULL, updated_at = EXCLUDED.updated_at
