@@ -147,9 +147,12 @@ def serve_with_triggerflow(stack: AirflowStack, amqp_url: str) -> Served:
 
     from triggerflow.settings import Settings
 
+    # No hold after the deferral (airflow_resume_delay): no scheduler runs here, so there is no
+    # worker exit to wait for, and Airflow's triggerer, the other side, holds nothing either.
     settings = Settings(database_url=stack.database_url, amqp_url=amqp_url,
                         namespace=f"tfbenchaf{os.getpid()}",
-                        allowed_modules=["airflow.providers.standard.triggers"])
+                        allowed_modules=["airflow.providers.standard.triggers"],
+                        airflow_resume_delay=0.0)
     env = {**stack.env, **settings.as_env(), "PYTHONUNBUFFERED": "1"}
     tf = [sys.executable, "-m", "triggerflow"]
     for argv in ([*tf, "airflow", "setup", "--database-url", stack.database_url],

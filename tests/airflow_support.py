@@ -193,16 +193,16 @@ async def add_deferred_task(conn: asyncpg.Connection, task_id: str, classpath: s
 
 
 def serve_with_triggerflow(stack: AirflowStack, amqp_url: str, queues: list[str],
-                           namespace: str) -> list[str]:
+                           namespace: str, **overrides: Any) -> list[str]:
     """``triggerflow airflow setup`` and ``topology apply`` on ``stack``, then ``writer
     --airflow`` and one ``consume --airflow`` per queue as its processes (test settings:
-    ``FAST``); returns their names for ``stack.stop_process``."""
+    ``FAST``, then ``overrides``); returns their names for ``stack.stop_process``."""
     from triggerflow.settings import Settings
 
     settings = Settings(
         database_url=stack.database_url, amqp_url=amqp_url, namespace=namespace,
         allowed_modules=["airflow.providers.standard.triggers", "tests.airflow_triggers"],
-        **FAST,  # type: ignore[arg-type]
+        **{**FAST, **overrides},
     )
     env = {**stack.env, **settings.as_env(), "PYTHONUNBUFFERED": "1"}
     tf = [sys.executable, "-m", "triggerflow"]

@@ -140,6 +140,9 @@ FAST = {
     "cancel_sweep_interval": 1.0,
     "subscription_check_interval": 1.0,
     "probation_seconds": 0.5,
+    # No hold after a deferral: rows written by tests have no worker exit for Airflow's
+    # scheduler to see (tests/test_airflow_race.py tests the hold on the real stack).
+    "airflow_resume_delay": 0.0,
 }
 
 

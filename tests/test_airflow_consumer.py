@@ -20,7 +20,7 @@ from triggerflow.store.interface import KwargsError, KwargsProblem, TriggerSpec
 ALLOWED = ["airflow.providers.standard.triggers", "tests.airflow_triggers"]
 
 
-def spec_of(trigger: Any, trigger_id: int = 1) -> TriggerSpec:
+def spec_of(trigger: Any, trigger_id: int = 1, not_before: float | None = None) -> TriggerSpec:
     """The spec ``AirflowStore.claim`` makes of the row Airflow writes for ``trigger``."""
     from airflow.models.trigger import Trigger
 
@@ -28,15 +28,17 @@ def spec_of(trigger: Any, trigger_id: int = 1) -> TriggerSpec:
 
     row = Trigger.from_object(trigger)
     return TriggerSpec(trigger_id, 1, "team-a", row.classpath,
-                       decode_kwargs(row.encrypted_kwargs), None, "dag.task")
+                       decode_kwargs(row.encrypted_kwargs), None, "dag.task",
+                       not_before=not_before)
 
 
-async def fire(trigger: Any, timeout: float = 10) -> tuple[EventKind, Any]:
+async def fire(trigger: Any, timeout: float = 10,
+               not_before: float | None = None) -> tuple[EventKind, Any]:
     """Run ``trigger`` as the Airflow consumer does; the (kind, wire value) it emits."""
     from triggerflow.airflow.codec import wire_outcome
     from triggerflow.airflow.loader import AirflowLoader
 
-    spec = spec_of(trigger)
+    spec = spec_of(trigger, not_before=not_before)
     fired: asyncio.Future[tuple[EventKind, Any]] = asyncio.get_running_loop().create_future()
     runner = TriggerRunner(lambda held, kind, payload: fired.set_result(
         wire_outcome(kind, payload)))
@@ -110,6 +112,35 @@ async def test_airflow_timers_go_on_the_heap_and_encode_as_airflows_run() -> Non
         kind, body = await fire(trigger)
         theirs_kind, theirs_body = encode_event(await anext(trigger.run()))
         assert (str(kind), body) == (theirs_kind, json.loads(theirs_body))
+
+
+async def test_a_resume_is_held_until_the_deferral_is_old_enough() -> None:
+    """The scheduler race's hold (docs/airflow.md): a timer already due whose deferral is too
+    recent runs as Airflow's coroutine and resumes no sooner than ``not_before``, with the
+    payload Airflow's ``run()`` gives; a task-end event is not held; an old deferral's timer
+    stays on the heap."""
+    import time
+
+    from airflow.providers.standard.triggers.temporal import DateTimeTrigger
+
+    from triggerflow.airflow.loader import AirflowCoroutine, AirflowLoader
+    from triggerflow.triggers.base import TimerTrigger
+
+    moment = pendulum.now("UTC").subtract(seconds=1)
+    resumes = DateTimeTrigger(moment=moment)
+    not_before = time.time() + 5  # unheld, it fires in well under a second
+    assert isinstance(AirflowLoader(ALLOWED).build(spec_of(resumes, not_before=not_before)),
+                      AirflowCoroutine)
+    kind, body = await fire(resumes, not_before=not_before)
+    assert kind is EventKind.RESUME and time.time() >= not_before
+    assert body == (await fire(resumes))[1]  # the moment, as without the hold
+    ends = DateTimeTrigger(moment=moment, end_from_trigger=True)
+    long_after = time.time() + 60
+    kind, _ = await fire(ends, timeout=5, not_before=long_after)  # not held: within 5 s
+    assert kind is EventKind.SUCCESS
+    later = DateTimeTrigger(moment=pendulum.now("UTC").add(seconds=30))
+    built = AirflowLoader(ALLOWED).build(spec_of(later, not_before=time.time() + 1))
+    assert isinstance(built, TimerTrigger)
 
 
 def test_the_loader_refuses_as_the_native_one_does() -> None:

@@ -79,6 +79,26 @@ async def test_claim_decodes_airflow_rows_of_my_queues_only(served: str) -> None
         await store.close()
 
 
+async def test_a_claim_holds_only_deferrals_younger_than_the_resume_delay(served: str) -> None:
+    """The scheduler race's hold (docs/airflow.md): a claimed row's ``not_before`` is its
+    deferral (``trigger.created_date``, the database's clock) plus the delay; an older
+    deferral is not held."""
+    young = await defer(served, "young", "team-a")
+    old = await defer(served, "old", "team-a")
+    await af.scalar(served, """UPDATE "trigger" SET created_date = now() - interval '1 minute'
+                               WHERE id = $1""", old)
+    store = await AirflowStore.connect(served, resume_delay=20.0)
+    try:
+        me = await store.register(ProcessKind.CONSUMER, "h", 1, ["team-a"], 100, "t", 30)
+        before = time.time()
+        specs = {s.id: s for s in (await store.claim(me, [young, old], ["team-a"])).claimed}
+        assert specs[old].not_before is None
+        held = specs[young].not_before
+        assert held is not None and before + 15 < held <= time.time() + 20
+    finally:
+        await store.close()
+
+
 async def test_kwargs_under_another_key_are_unreadable_here_not_invalid(served: str) -> None:
     from cryptography.fernet import Fernet
 

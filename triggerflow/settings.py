@@ -46,6 +46,11 @@ def seconds(n: float) -> timedelta:
     return timedelta(seconds=n)
 
 
+# Airflow mode's hold after a deferral: the smallest delay measured safe on the real stack
+# (docs/airflow.md, "The scheduler race").
+AIRFLOW_RESUME_DELAY = 20.0
+
+
 def _lower(value: object) -> object:
     return value.lower() if isinstance(value, str) else value
 
@@ -141,6 +146,15 @@ class Settings(BaseModel):
         description=(
             "Airflow mode: the queue of trigger rows that have none. Unset: such rows are left "
             "to Airflow's own triggerer."
+        ),
+    )
+    airflow_resume_delay: Duration = Field(
+        seconds(AIRFLOW_RESUME_DELAY),
+        ge=ZERO,
+        description=(
+            "Airflow mode: a consumer sends no event that puts a task back to 'scheduled' "
+            "sooner than this after the task deferred, so Airflow's scheduler has seen the "
+            "deferring worker exit first (docs/airflow.md, 'The scheduler race'). 0: off."
         ),
     )
 

@@ -11,7 +11,9 @@ Importing this module imports Airflow (``triggerflow[airflow]``).
 
 from __future__ import annotations
 
+import asyncio
 import os
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -26,6 +28,8 @@ from triggerflow.model import EventKind
 from triggerflow.store.interface import TriggerSpec
 from triggerflow.triggers.base import BaseTrigger, TriggerEvent
 
+_REQUEUES = (EventKind.RESUME, EventKind.FAIL)  # events that put the task back to scheduled
+
 
 class EncodedEvent(TriggerEvent):
     """What ``AirflowCoroutine`` yields: the runner reads ``kind`` and ``payload``."""
@@ -37,10 +41,17 @@ class EncodedEvent(TriggerEvent):
 
 class AirflowCoroutine(BaseTrigger):
     """An Airflow trigger object run by triggerflow's runner, first event only, as Airflow's
-    triggerer runs it (``run()`` then ``cleanup()``)."""
+    triggerer runs it (``run()`` then ``cleanup()``).
 
-    def __init__(self, trigger: Any) -> None:
+    ``not_before`` (epoch seconds) holds an event that puts the task back to ``scheduled``
+    (resume, ``__fail__``) until then: Airflow 3.3.2's scheduler fails a task that it queues
+    again before it has seen the worker that deferred it exit (docs/airflow.md, "The
+    scheduler race"). Task-end events never requeue the task and are not held.
+    """
+
+    def __init__(self, trigger: Any, not_before: float | None = None) -> None:
         self.trigger = trigger
+        self.not_before = not_before
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         classpath, kwargs = self.trigger.serialize()
@@ -56,14 +67,18 @@ class AirflowCoroutine(BaseTrigger):
             await greenback.ensure_portal()
         agen = self.trigger.run()
         try:
-            event = await anext(agen)
-        except StopAsyncIteration:
-            raise  # the runner's "exited without sending an event"
-        except Exception as exc:
-            yield EncodedEvent(EventKind.FAIL, failure_body(exc))
-        else:
-            kind, body = encode_event(event)
-            yield EncodedEvent(EventKind(kind), body)
+            try:
+                event = await anext(agen)
+            except StopAsyncIteration:
+                raise  # the runner's "exited without sending an event"
+            except Exception as exc:
+                encoded = EncodedEvent(EventKind.FAIL, failure_body(exc))
+            else:
+                kind, body = encode_event(event)
+                encoded = EncodedEvent(EventKind(kind), body)
+            if self.not_before is not None and encoded.kind in _REQUEUES:
+                await asyncio.sleep(self.not_before - time.time())  # negative: no wait
+            yield encoded
         finally:
             await agen.aclose()
 
@@ -85,5 +100,10 @@ class AirflowLoader(AllowedClasses):
 
     def build(self, spec: TriggerSpec) -> BaseTrigger:
         trigger = self.instantiate(spec)
-        # A timer keeps only its deadline; the Airflow object is dropped here.
-        return as_timer(trigger) or AirflowCoroutine(trigger)
+        # A timer keeps only its deadline; the Airflow object is dropped here. One that would
+        # fire within the scheduler race's hold runs as itself instead, held (rare: only
+        # deferrals younger than the hold, whose timer is due within it).
+        timer = as_timer(trigger)
+        if timer is not None and (spec.not_before is None or timer.deadline() >= spec.not_before):
+            return timer
+        return AirflowCoroutine(trigger, spec.not_before)

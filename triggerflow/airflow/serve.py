@@ -40,7 +40,8 @@ async def connect_store(settings: Settings, *, max_size: int | None = None,
     return await AirflowStore.connect(settings.database_dsn(),
                                       default_queue=settings.default_queue,
                                       max_size=max_size or settings.db_pool_size,
-                                      lock_timeout=lock_timeout)
+                                      lock_timeout=lock_timeout,
+                                      resume_delay=settings.airflow_resume_delay.total_seconds())
 
 
 def _airflow(store: Store) -> AirflowStore:

@@ -60,10 +60,13 @@ DELETE FROM {SCHEMA}.consumer WHERE id = $1
 """
 
 # What a consumer needs to run a claimed trigger: Airflow's classpath and encrypted kwargs,
-# the team queue, and the task for log lines. Timeouts stay the scheduler's (as in Airflow).
+# the team queue, the task for log lines, and how long ago the task deferred (the API server
+# writes created_date with the deferral: the scheduler race's clock). Timeouts stay the
+# scheduler's (as in Airflow).
 _SPEC = """
     t.id, c.attempt, t.classpath, t.kwargs, coalesce(t.queue, $4) AS queue,
-    format('%s.%s@%s', ti.dag_id, ti.task_id, ti.run_id) AS task
+    format('%s.%s@%s', ti.dag_id, ti.task_id, ti.run_id) AS task,
+    extract(epoch FROM clock_timestamp() - t.created_date)::float8 AS deferred_for
 """
 
 # One statement: Airflow's trigger rows of my queues that a deferred task waits on, joined
@@ -100,9 +103,10 @@ SELECT {_SPEC}, 'claimed' AS outcome
 FROM claimed c JOIN "trigger" t ON t.id = c.trigger_id
 LEFT JOIN task_instance ti ON ti.trigger_id = t.id AND coalesce(ti.state, '') = 'deferred'
 UNION ALL
-SELECT id, 0, '', '', queue, NULL, 'suspect' FROM candidate WHERE failures >= 2 AND NOT refused
+SELECT id, 0, '', '', queue, NULL, NULL, 'suspect' FROM candidate
+WHERE failures >= 2 AND NOT refused
 UNION ALL
-SELECT id, 0, '', '', queue, NULL, 'refused' FROM candidate WHERE refused AND unowned
+SELECT id, 0, '', '', queue, NULL, NULL, 'refused' FROM candidate WHERE refused AND unowned
 """
 
 CLAIM_PROBATION = f"""
@@ -131,7 +135,8 @@ WITH worst AS (
     WHERE id = $1
 )
 SELECT t.id, c.attempt, t.classpath, t.kwargs, coalesce(t.queue, $3) AS queue,
-       format('%s.%s@%s', ti.dag_id, ti.task_id, ti.run_id) AS task
+       format('%s.%s@%s', ti.dag_id, ti.task_id, ti.run_id) AS task,
+       extract(epoch FROM clock_timestamp() - t.created_date)::float8 AS deferred_for
 FROM claimed c JOIN "trigger" t ON t.id = c.trigger_id
 LEFT JOIN task_instance ti ON ti.trigger_id = t.id AND ti.state = 'deferred'
 """

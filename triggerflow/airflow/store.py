@@ -71,9 +71,11 @@ class AirflowStore:
     Airflow's own triggerer.
     """
 
-    def __init__(self, pool: asyncpg.Pool, dsn: str, default_queue: str | None = None) -> None:
+    def __init__(self, pool: asyncpg.Pool, dsn: str, default_queue: str | None = None,
+                 resume_delay: float = 0.0) -> None:
         self.pool = pool
         self.default_queue = default_queue
+        self.resume_delay = resume_delay  # the scheduler race's hold (loader.AirflowCoroutine)
         self.dsn = dsn  # for the events Airflow's own code applies (orm.py)
         # Applied batches' trigger rows, deleted after the burst (see unused.py).
         self.unused = UnusedTriggers(self._clean_unused_of)
@@ -81,14 +83,15 @@ class AirflowStore:
 
     @classmethod
     async def connect(cls, dsn: str, *, default_queue: str | None = None,
-                      max_size: int = 4, lock_timeout: float | None = None) -> AirflowStore:
+                      max_size: int = 4, lock_timeout: float | None = None,
+                      resume_delay: float = 0.0) -> AirflowStore:
         # keep_session: without it asyncpg's reset query is four more statements after
         # every call (measured: 5 statements/s per idle process instead of 1).
         async with store_errors(_REFUSED):
             pool = await asyncpg.create_pool(
                 dsn, min_size=1, max_size=max_size, reset=keep_session,
                 server_settings=session_settings("triggerflow-airflow", lock_timeout=lock_timeout))
-        store = cls(pool, dsn, default_queue)
+        store = cls(pool, dsn, default_queue, resume_delay)
         store.lock_timeout = lock_timeout
         return store
 
@@ -125,8 +128,12 @@ class AirflowStore:
                                   f"kwargs not readable with this Fernet key: {exc!r}")
         except Exception as exc:
             problem = KwargsError(KwargsProblem.INVALID, repr(exc))
+        # A deferral younger than the hold: its event waits for the rest of it (this
+        # process's clock from here on; the age was measured on the database's).
+        young = self.resume_delay - (row["deferred_for"] or 0.0)
         return TriggerSpec(row["id"], row["attempt"], sys.intern(row["queue"]),
-                           sys.intern(row["classpath"]), kwargs, problem, row["task"])
+                           sys.intern(row["classpath"]), kwargs, problem, row["task"],
+                           not_before=time.time() + young if young > 0 else None)
 
     # -- a process's lease ----------------------------------------------------------------
 

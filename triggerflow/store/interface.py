@@ -85,6 +85,9 @@ class TriggerSpec:
     task: str | None = None  # "dag.task@run", for logs
     timeout_at: float | None = None  # epoch seconds
     traceparent: str | None = None
+    # Airflow mode: epoch seconds before which an event that reschedules the task is held
+    # (the deferral is too recent for Airflow's scheduler; see airflow/loader.py).
+    not_before: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
