@@ -16,9 +16,9 @@ from datetime import datetime
 
 import pytest
 
+from tests.airflow_stack import AirflowStack
 from tests.airflow_support import airflow_template, serve_with_triggerflow, stack_database
 from tests.conftest import ROOT
-from tests.airflow_stack import AirflowStack
 from triggerflow.settings import AIRFLOW_RESUME_DELAY
 
 __all__ = ["airflow_template"]
