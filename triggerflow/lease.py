@@ -17,13 +17,14 @@ from collections.abc import Sequence
 from tenacity import wait_exponential_jitter
 
 from triggerflow import __version__
+from triggerflow.errors import TriggerflowError
 from triggerflow.refusals import Refusals
 from triggerflow.store import ProcessKind, Renewal, Store, StoreAccessRefused, StoreError
 
 log = logging.getLogger(__name__)
 
 
-class LeaseLost(Exception):
+class LeaseLost(TriggerflowError):
     """Our row expired: every trigger we hold may already run elsewhere."""
 
 
