@@ -17,7 +17,7 @@ from tenacity import wait_exponential_jitter
 
 from triggerflow.health import get_health
 from triggerflow.lifecycle import report_refused
-from triggerflow.modes import Mode, kwargs_codec, mode_for
+from triggerflow.modes import Mode, mode_for
 from triggerflow.refusals import Refusals
 from triggerflow.settings import Settings
 from triggerflow.store import Store, StoreAccessRefused, StoreError
@@ -28,8 +28,6 @@ if TYPE_CHECKING:
     from triggerflow.transport.rabbitmq import RabbitTransport
 
 log = logging.getLogger(__name__)
-
-__all__ = ["kwargs_codec"]  # kept importable from here; native mode's (modes.py)
 
 StoreT = TypeVar("StoreT", bound=Store)
 
