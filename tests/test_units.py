@@ -348,11 +348,11 @@ def test_every_error_triggerflow_raises_has_one_root() -> None:
                   ConnectionLost, LeaseLost, Disallowed, Unloadable, BadKwargs, WireError,
                   PayloadError, DeferralError):
         assert issubclass(error, TriggerflowError), error
-    for error in (MissingKey, ConfigError, UnknownAirflowSchema):
-        assert issubclass(error, ConfigurationError), error
-    for error, old_base in ((MissingKey, ValueError), (WireError, ValueError),
-                            (PayloadError, ValueError), (DeferralError, ValueError),
-                            (TransportUnavailable, ConnectionError)):
-        assert issubclass(error, old_base), error
+    for config in (MissingKey, ConfigError, UnknownAirflowSchema):
+        assert issubclass(config, ConfigurationError), config
+    for kept, old_base in ((MissingKey, ValueError), (WireError, ValueError),
+                           (PayloadError, ValueError), (DeferralError, ValueError),
+                           (TransportUnavailable, ConnectionError)):
+        assert issubclass(kept, old_base), kept
     with pytest.raises(TriggerflowError):  # a configuration error from the codec, caught
         KwargsCodec().decode("fernet:gAAAA", "team-a")
