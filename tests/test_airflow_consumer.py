@@ -1,6 +1,6 @@
 """The Airflow consumer's pieces, in process: Airflow trigger rows -> runner -> the event body
 ``AirflowStore`` applies, through ``AirflowLoader`` and ``codec.wire_outcome`` exactly as
-``triggerflow consume --airflow`` wires them (``airflow/serve.py``)."""
+``triggerflow consume --airflow`` wires them (``airflow/mode.py``)."""
 
 from __future__ import annotations
 

@@ -45,3 +45,17 @@ def test_the_wheel_carries_the_runtime_and_the_demo_only() -> None:
     shipped = {p.partition(".")[0] for p in packages if any(fnmatch(p, i) for i in include)}
     assert shipped == {"triggerflow", "triggerflow_demo"}
     assert {"bench", "tests", "tools"} <= {p.partition(".")[0] for p in packages}
+
+
+def test_native_mode_imports_no_airflow_code() -> None:
+    """Airflow mode is reached only through ``modes.mode_for`` (the import contract checks
+    the code); a native process built the way ``wiring`` builds it imports none of it."""
+    import subprocess
+
+    code = ("import sys, triggerflow.wiring, triggerflow.queue_gauges; "
+            "from triggerflow.modes import mode_for; from triggerflow.settings import Settings; "
+            "mode = mode_for(Settings.without_environment({})); mode.loader(); mode.encoder(); "
+            "assert mode.name == 'native'; "
+            "loaded = [m for m in sys.modules if m.split('.')[0] == 'airflow' "
+            "or m.startswith('triggerflow.airflow')]; assert not loaded, loaded")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=60)

@@ -305,11 +305,54 @@ def test_only_an_airflow_writer_is_scoped_by_queues() -> None:
     """``writer --airflow --queue Q`` scopes wake-ups and the backstop to triggerflow's queues
     during a migration; a native writer serves every queue whatever ``queues`` says (an
     environment shared by all processes may set it)."""
+    from triggerflow.modes import mode_for
     from triggerflow.testing import InMemory
     from triggerflow.writer import Writer
 
     mem = InMemory()
-    native = Writer(Settings(queues=["team-a"]), mem.store, mem.transport())
-    airflow = Writer(Settings(queues=["team-a"], airflow=True), mem.store, mem.transport())
-    assert native.reaper.queues is None
-    assert airflow.reaper.queues == ["team-a"]
+    for settings, scope in ((Settings(queues=["team-a"]), None),
+                            (Settings(queues=["team-a"], airflow=True), ["team-a"])):
+        mode = mode_for(settings)
+        writer = Writer(settings, mem.store, mem.transport(), reaper_queues=mode.writer_queues)
+        assert writer.reaper.queues == scope, mode.name
+
+
+def test_every_error_triggerflow_raises_has_one_root() -> None:
+    """``except TriggerflowError`` catches the store's, the transport's and configuration
+    errors; each keeps its old built-in base, so older ``except`` clauses still match."""
+    from triggerflow.airflow.setup import UnknownAirflowSchema
+    from triggerflow.cli.failures import ConfigError
+    from triggerflow.codec import MissingKey
+    from triggerflow.errors import ConfigurationError, TriggerflowError
+    from triggerflow.lease import LeaseLost
+    from triggerflow.sdk import DeferralError
+    from triggerflow.store import EventRefused, EventsLocked, StoreAccessRefused, StoreError, StoreUnavailable
+    from triggerflow.transport import (
+        AccessRefused,
+        PublishRefused,
+        SubscribeRefused,
+        TransportError,
+        TransportUnavailable,
+        Unroutable,
+    )
+    from triggerflow.transport.management import ManagementUnavailable
+    from triggerflow.transport.subscriptions import ConnectionLost
+    from triggerflow.wire import PayloadError, WireError
+
+    store = (StoreUnavailable, StoreAccessRefused, EventRefused, EventsLocked)
+    transport = (TransportUnavailable, AccessRefused, Unroutable, PublishRefused,
+                 SubscribeRefused)
+    assert all(issubclass(e, StoreError) for e in store)
+    assert all(issubclass(e, TransportError) for e in transport)
+    for error in (StoreError, TransportError, ConfigurationError, ManagementUnavailable,
+                  ConnectionLost, LeaseLost, Disallowed, Unloadable, BadKwargs, WireError,
+                  PayloadError, DeferralError):
+        assert issubclass(error, TriggerflowError), error
+    for config in (MissingKey, ConfigError, UnknownAirflowSchema):
+        assert issubclass(config, ConfigurationError), config
+    for kept, old_base in ((MissingKey, ValueError), (WireError, ValueError),
+                           (PayloadError, ValueError), (DeferralError, ValueError),
+                           (TransportUnavailable, ConnectionError)):
+        assert issubclass(kept, old_base), kept
+    with pytest.raises(TriggerflowError):  # a configuration error from the codec, caught
+        KwargsCodec().decode("fernet:gAAAA", "team-a")

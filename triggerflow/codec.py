@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Protocol
 
+from triggerflow.errors import ConfigurationError
 from triggerflow.wire import decode_json, encode_json
 
 ENCRYPTED_PREFIX = "fernet:"
@@ -22,7 +23,7 @@ class SecretLike(Protocol):
     def get_secret_value(self) -> str: ...
 
 
-class MissingKey(ValueError):
+class MissingKey(ConfigurationError, ValueError):
     """Encrypted kwargs and no key here: another consumer of the queue may have it."""
 
 

@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from tenacity import wait_exponential_jitter
 
 from triggerflow import __version__
+from triggerflow.errors import TriggerflowError
 from triggerflow.refusals import Refusals
 from triggerflow.skew import ClockCheck
 from triggerflow.store import ProcessKind, Renewal, Store, StoreAccessRefused, StoreError
@@ -24,7 +25,7 @@ from triggerflow.store import ProcessKind, Renewal, Store, StoreAccessRefused, S
 log = logging.getLogger(__name__)
 
 
-class LeaseLost(Exception):
+class LeaseLost(TriggerflowError):
     """Our row expired: every trigger we hold may already run elsewhere."""
 
 

@@ -9,20 +9,21 @@ from __future__ import annotations
 import importlib
 from typing import Any, Protocol
 
+from triggerflow.errors import TriggerflowError
 from triggerflow.model import is_allowed
 from triggerflow.store.interface import KwargsProblem, TriggerSpec
 from triggerflow.triggers.base import BaseTrigger
 
 
-class Disallowed(Exception):
+class Disallowed(TriggerflowError):
     """The class is outside the allowed modules or is not a BaseTrigger: fail the task."""
 
 
-class Unloadable(Exception):
+class Unloadable(TriggerflowError):
     """This process cannot import the class (maybe another consumer's newer code can)."""
 
 
-class BadKwargs(Exception):
+class BadKwargs(TriggerflowError):
     """The stored kwargs do not build the class: fail the task."""
 
 

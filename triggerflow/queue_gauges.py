@@ -13,13 +13,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from triggerflow.modes import Mode, mode_for
 from triggerflow.redact import Redactor
 from triggerflow.settings import Settings
-from triggerflow.store.postgres import Database
-from triggerflow.store.postgres.admin import ALL_QUEUES, QUEUE_GAUGES
+from triggerflow.store.gauges import GaugeSource
 from triggerflow.transport import QueueInfo
 from triggerflow.transport.rabbitmq import RabbitTransport, Topology
-from triggerflow.wiring import admin_database, rabbit_transport
+from triggerflow.wiring import rabbit_transport
 
 log = logging.getLogger(__name__)
 
@@ -55,14 +55,19 @@ class QueueGauges:
     ``backlog_seconds`` is how long the poll has seen ready messages in the queue without
     once finding it empty: for a queue nobody drains (dead letters, events with no writer)
     the age of its oldest message, within one interval, as long as this process has run.
+
+    The lease numbers come from ``mode`` (by default the one ``settings`` ask for), which
+    knows where its consumers and writers keep their rows. A writer whose mode scopes it to
+    some queues (Airflow mode's ``--queue`` during a migration) reports those, as a consumer.
     """
 
     def __init__(self, settings: Settings, *, all_queues: bool = False,
-                 interval: float | None = None) -> None:
+                 interval: float | None = None, mode: Mode[Any] | None = None) -> None:
         from triggerflow import telemetry
 
         self.settings = settings
-        self.all_queues = all_queues
+        self.mode = mode or mode_for(settings)
+        self.all_queues = all_queues and not self.mode.writer_queues
         self.interval = interval or min(5.0, settings.reaper_interval.total_seconds())
         self.topology = Topology(settings.namespace)
         self.redact = Redactor(settings)
@@ -128,20 +133,20 @@ class QueueGauges:
         asyncio.run(self._main())
 
     async def _main(self) -> None:
-        db: Database | None = None
+        source: GaugeSource | None = None
         broker: RabbitTransport | None = None
         failing = False
         self._loop, self._wake = asyncio.get_running_loop(), asyncio.Event()
         while not self._stop.is_set():
             try:
-                if db is None:
-                    db = await admin_database(self.settings)
+                if source is None:
+                    source = await self.mode.connect_gauges()
                 if broker is None or not broker.is_open:
                     if broker is not None:
                         await broker.close()
                     broker = rabbit_transport(self.settings, name="triggerflow-queue-gauges")
                     await broker.connect()
-                self.snapshot = await self.poll(db, broker)
+                self.snapshot = await self.poll(source, broker)
                 self.updated = time.monotonic()
                 failing = False
             except Exception as exc:
@@ -149,43 +154,40 @@ class QueueGauges:
                     log.warning("queue gauges: poll failed (%s); retrying",
                                 self.redact(repr(exc)))
                 failing = True
-                if db is not None:
+                if source is not None:
                     with contextlib.suppress(Exception):
-                        await db.close()
-                    db = None
+                        await source.close()
+                    source = None
             # Not to_thread(self._stop.wait): at exit the default executor is shut down
             # before atexit runs stop(), and the submit raised in this thread.
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self.interval):
                     await self._wake.wait()
-        for closer in (broker.close() if broker else None, db.close() if db else None):
+        for closer in (broker.close() if broker else None, source.close() if source else None):
             if closer is not None:
                 with contextlib.suppress(Exception):
                     await closer
 
-    async def poll(self, db: Database, broker: RabbitTransport) -> dict[str, QueueSample]:
+    async def poll(self, source: GaugeSource, broker: RabbitTransport) -> dict[str, QueueSample]:
         """{queue: sample} for the team queues this process reports and the shared queues."""
-        queues = await self._team_queues(db)
-        rows: list[Any] = await db.fetch(QUEUE_GAUGES, queues,
-                                         self.settings.lease_ttl.total_seconds())
-        leases = {r["queue"]: r for r in rows if r["queue"] is not None}
-        writers = int(rows[0]["writers"])
+        queues = await self._team_queues(source)
+        gauges = await source.leases(queues, self.settings.lease_ttl.total_seconds())
         now = time.monotonic()
         snapshot: dict[str, QueueSample] = {}
         for queue in queues:
             info = await broker.queue_info(queue)
             if info is None:
                 self._known.discard(queue)  # deleted from the broker: stop reporting it
-            row = leases.get(queue)
-            expected = int(row["expected"]) if row else 0
+            leases = gauges.queues.get(queue)
+            expected = leases.expected if leases else 0
             snapshot[queue] = QueueSample(
                 depth=info.ready if info else None,
                 subscribers=info.consumers if info else None,
-                consumers=int(row["consumers"]) if row else 0,
+                consumers=leases.consumers if leases else 0,
                 unsubscribed=max(0, expected - info.consumers) if info else None,
                 backlog_seconds=self._backlog(queue, info, now),
-                overdue=int(row["overdue"]) if row else 0)
-        for queue, consumers in ((self.topology.events_queue, writers),
+                overdue=leases.overdue if leases else 0)
+        for queue, consumers in ((self.topology.events_queue, gauges.writers),
                                  (self.topology.dead_queue, None)):
             info = await self._shared_queue_info(broker, queue)
             snapshot[queue] = QueueSample(
@@ -194,10 +196,10 @@ class QueueGauges:
                 backlog_seconds=self._backlog(queue, info, now))
         return snapshot
 
-    async def _team_queues(self, db: Database) -> list[str]:
+    async def _team_queues(self, source: GaugeSource) -> list[str]:
         if not self.all_queues:
             return list(self.settings.queues)
-        found = {r["queue"] for r in await db.fetch(ALL_QUEUES)}
+        found = await source.team_queues()
         if self._polls % LISTING_EVERY == 0:
             found |= await self._listed_by_broker()
         self._polls += 1

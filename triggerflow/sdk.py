@@ -25,6 +25,7 @@ from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt,
 
 from triggerflow import telemetry
 from triggerflow.codec import KwargsCodec
+from triggerflow.errors import TriggerflowError
 from triggerflow.model import TaskKey, is_allowed
 from triggerflow.settings import Settings
 from triggerflow.store import NewDeferral, Store, StoreUnavailable
@@ -37,7 +38,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-class DeferralError(ValueError):
+class DeferralError(TriggerflowError, ValueError):
     """A deferral refused before anything was written (bad queue, kwargs, class...)."""
 
 

@@ -11,6 +11,8 @@ from typing import Any, TypeVar
 
 import msgspec
 
+from triggerflow.errors import TriggerflowError
+
 SCHEMA_VERSION = 2
 ACCEPTED_VERSIONS = frozenset({SCHEMA_VERSION, SCHEMA_VERSION - 1})
 
@@ -28,7 +30,7 @@ MAX_IDS = 10_000
 MAX_ID_MESSAGE_BYTES = 256 << 10
 
 
-class WireError(ValueError):
+class WireError(TriggerflowError, ValueError):
     """A message that cannot be decoded; the caller dead-letters it with this reason."""
 
 
@@ -175,7 +177,7 @@ def decode_json(text: str | bytes) -> Any:
     return msgspec.json.decode(text)
 
 
-class PayloadError(ValueError):
+class PayloadError(TriggerflowError, ValueError):
     """An event payload the database would refuse; the event becomes a readable failure."""
 
 

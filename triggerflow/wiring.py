@@ -1,8 +1,9 @@
 """The composition root: the one place that picks and builds the real store and transport.
 
 Everything else takes a :class:`~triggerflow.store.Store` and a
-:class:`~triggerflow.transport.Transport`. A new mode (Airflow's tables) adds a branch to
-:func:`connect_store`, not a fork of the loops.
+:class:`~triggerflow.transport.Transport`. The mode (``triggerflow.modes``: native or
+Airflow) is picked once per process and supplies the store and what differs around the
+same loops; a new mode is a new :class:`~triggerflow.modes.Mode`, not a fork of the loops.
 """
 
 from __future__ import annotations
@@ -10,13 +11,13 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from tenacity import wait_exponential_jitter
 
-from triggerflow.codec import KwargsCodec
 from triggerflow.health import get_health
 from triggerflow.lifecycle import report_refused
+from triggerflow.modes import Mode, mode_for
 from triggerflow.refusals import Refusals
 from triggerflow.settings import Settings
 from triggerflow.store import Store, StoreAccessRefused, StoreError
@@ -28,24 +29,16 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-
-def kwargs_codec(settings: Settings) -> KwargsCodec:
-    return KwargsCodec.from_secrets(settings.kwargs_key, settings.kwargs_keys)
+StoreT = TypeVar("StoreT", bound=Store)
 
 
 async def connect_store(settings: Settings, *, max_size: int | None = None,
                         lock_timeout: float | None = None) -> Store:
     """The store ``settings`` ask for, connected (native mode: PostgreSQL; ``airflow``:
     Airflow's metadata database). ``lock_timeout``: the writer's bound on row-lock waits."""
-    if settings.airflow:
-        from triggerflow.airflow import serve
-
-        return await serve.connect_store(settings, max_size=max_size, lock_timeout=lock_timeout)
-    from triggerflow.store.postgres import PostgresStore
-
-    return await PostgresStore.connect(
-        settings.database_dsn(), max_size=max_size or settings.db_pool_size,
-        pgbouncer=settings.pgbouncer, codec=kwargs_codec(settings), lock_timeout=lock_timeout)
+    store: Store = await mode_for(settings).connect_store(max_size=max_size,
+                                                          lock_timeout=lock_timeout)
+    return store
 
 
 def make_transport(settings: Settings, *, name: str) -> Transport:
@@ -78,8 +71,8 @@ def consumer_connection_name(queues: list[str]) -> str:
     return f"{CONSUMER_CONNECTION}{','.join(queues)}@{socket.gethostname()}:{os.getpid()}"
 
 
-async def _connect_store_retrying(settings: Settings, stop: asyncio.Event,
-                                  lock_timeout: float | None = None) -> Store | None:
+async def _connect_store_retrying(mode: Mode[StoreT], stop: asyncio.Event,
+                                  lock_timeout: float | None = None) -> StoreT | None:
     """The store once it answers (None: stopped first). Retries, a bounded number of times,
     while it is unreachable (then its last StoreUnavailable: the CLI's one line names the
     setting) or refuses our credentials (then StoreAccessRefused); readiness names the
@@ -88,11 +81,11 @@ async def _connect_store_retrying(settings: Settings, stop: asyncio.Event,
                         unavailable_attempts=STARTUP_ATTEMPTS)
     get_health().check("database", lambda: f"connecting ({refusals.last_error or 'starting'})")
 
-    async def connect() -> Store:
+    async def connect() -> StoreT:
         async for attempt in refusals.retrying(
                 StoreError, wait_exponential_jitter(multiplier=0.5, max=5, jitter=0.5)):
             with attempt:
-                return await connect_store(settings, lock_timeout=lock_timeout)
+                return await mode.connect_store(lock_timeout=lock_timeout)
         raise AssertionError("unreachable: the retrying re-raises its last error")
 
     connecting = asyncio.ensure_future(connect())
@@ -105,12 +98,12 @@ async def _connect_store_retrying(settings: Settings, stop: asyncio.Event,
     return connecting.result()
 
 
-async def _serve(settings: Settings, stop: asyncio.Event,
-                 serve: Callable[[Store], Awaitable[int]], *,
+async def _serve(mode: Mode[StoreT], stop: asyncio.Event,
+                 serve: Callable[[StoreT], Awaitable[int]], *,
                  lock_timeout: float | None = None) -> int:
     """``serve`` on the store once connected; 1 with one line when the store refused us."""
     try:
-        store = await _connect_store_retrying(settings, stop, lock_timeout)
+        store = await _connect_store_retrying(mode, stop, lock_timeout)
     except StoreAccessRefused as exc:
         report_refused(exc)
         return 1
@@ -124,35 +117,36 @@ async def _serve(settings: Settings, stop: asyncio.Event,
 
 async def serve_consumer(settings: Settings, stop: asyncio.Event) -> int:
     """Run a consumer on the real store and transport until ``stop``; its exit code."""
-    return await _serve(settings, stop, lambda store: _consume(settings, store, stop))
+    mode = mode_for(settings)
+    return await _serve(mode, stop, lambda store: _consume(settings, mode, store, stop))
 
 
-async def _consume(settings: Settings, store: Store, stop: asyncio.Event) -> int:
+async def _consume(settings: Settings, mode: Mode[StoreT], store: StoreT,
+                   stop: asyncio.Event) -> int:
     from triggerflow.consumer import Consumer
 
     transport = make_transport(settings, name=consumer_connection_name(settings.queues))
-    if settings.airflow:
-        from triggerflow.airflow import serve
-
-        return await serve.serve_consumer(settings, store, transport, stop)
-    return await Consumer(settings, store, transport).run(stop)
+    consumer = Consumer(settings, store, transport, loader=mode.loader(),
+                        encode=mode.encoder())
+    async with mode.serving_consumer():
+        return await consumer.run(stop)
 
 
 async def serve_writer(settings: Settings, stop: asyncio.Event) -> int:
     """Run a writer on the real store and transport until ``stop``; its exit code."""
-    return await _serve(settings, stop, lambda store: _write(settings, store, stop),
+    mode = mode_for(settings)
+    return await _serve(mode, stop, lambda store: _write(settings, mode, store, stop),
                         lock_timeout=settings.writer_lock_timeout.total_seconds())
 
 
-async def _write(settings: Settings, store: Store, stop: asyncio.Event) -> int:
+async def _write(settings: Settings, mode: Mode[StoreT], store: StoreT,
+                 stop: asyncio.Event) -> int:
     from triggerflow.writer import Writer
 
     transport = make_transport(settings, name="triggerflow-writer")
-    if settings.airflow:
-        from triggerflow.airflow import serve
-
-        return await serve.serve_writer(settings, store, transport, stop)
-    return await Writer(settings, store, transport).run(stop)
+    writer = Writer(settings, store, transport, reaper_queues=mode.writer_queues)
+    async with mode.serving_writer(store, transport, writer.reaper, stop):
+        return await writer.run(stop)
 
 
 async def admin_database(settings: Settings) -> Database:

@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Sequence
 from typing import Any
 
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, wait_exponential_jitter
@@ -65,16 +65,17 @@ class Writer:
 
     Settings: ``writer_batch`` (max events per statement), ``writer_prefetch`` (unacked
     messages), ``team_users`` (queue -> the only AMQP user allowed to publish its events).
+    ``reaper_queues``: the queues its reaper's sweeps cover, empty for every queue (the mode
+    decides: Airflow mode's ``--queue`` names those triggerflow serves during a migration).
     """
 
-    def __init__(self, settings: Settings, store: Store, transport: Transport) -> None:
+    def __init__(self, settings: Settings, store: Store, transport: Transport, *,
+                 reaper_queues: Sequence[str] = ()) -> None:
         self.settings = settings
         self.store = store
         self.transport = transport
-        # A native writer's backstop covers every queue; in Airflow mode ``queues`` may name the
-        # ones triggerflow serves, the rest being Airflow's own triggerer's (a migration).
-        scope = list(settings.queues) if settings.airflow else []
-        self.reaper = Reaper(store, transport, settings.model_copy(update={"queues": scope}))
+        scope = settings.model_copy(update={"queues": list(reaper_queues)})
+        self.reaper = Reaper(store, transport, scope)
         self.lease = Lease(store, ProcessKind.WRITER, ttl=max(settings.lease_ttl.total_seconds(), 10.0),
                            renew_interval=max(settings.renew_interval.total_seconds(), 1.0))
         self.subscriptions = Subscriptions(

@@ -36,6 +36,8 @@ from airflow.jobs.triggerer_job_runner import TriggerCommsDecoder
 from airflow.sdk._shared.secrets_masker import SecretsMasker, _secrets_masker
 from airflow.sdk.execution_time import task_runner
 
+from triggerflow.errors import TriggerflowError
+
 log = logging.getLogger(__name__)
 
 REQUESTS_PER_TRIGGER = 1
@@ -43,7 +45,7 @@ RESTART_DELAY = 1.0  # seconds before a lost runtime process is started again
 CURRENT_TRIGGER: ContextVar[int | None] = ContextVar("triggerflow_airflow_trigger", default=None)
 
 
-class RuntimeUnavailable(RuntimeError):
+class RuntimeUnavailable(TriggerflowError, RuntimeError):
     """The runtime process ended while this request was in flight."""
 
 

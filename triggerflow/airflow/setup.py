@@ -5,9 +5,10 @@ from __future__ import annotations
 import asyncpg
 
 from triggerflow.airflow import schema
+from triggerflow.errors import ConfigurationError
 
 
-class UnknownAirflowSchema(RuntimeError):
+class UnknownAirflowSchema(ConfigurationError, RuntimeError):
     """The database is not an Airflow schema version this code was checked against."""
 
 

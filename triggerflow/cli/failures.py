@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from triggerflow.errors import ConfigurationError
+
 if TYPE_CHECKING:
     from triggerflow.settings import Settings
 
@@ -25,7 +27,7 @@ _DATABASE_MODULES = ("asyncpg", "sqlalchemy", "alembic", "psycopg2")
 _BROKER_MODULES = ("aiormq", "aio_pika", "pamqp")
 
 
-class ConfigError(click.ClickException):
+class ConfigError(click.ClickException, ConfigurationError):
     """A flag or variable with an invalid value."""
 
     exit_code = 2

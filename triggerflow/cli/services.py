@@ -124,8 +124,10 @@ def consume(**values: Any) -> None:
 @settings_options(*CONNECTION, *TELEMETRY, *WRITER)
 def writer(**values: Any) -> None:
     """Apply events to task instances in batches."""
+    from triggerflow.modes import mode_for
+
     settings = build_settings(values)
-    if settings.queues and not settings.airflow:
+    if settings.queues and not mode_for(settings).writer_queues:
         # one environment shared by every process (compose, a ConfigMap) sets TRIGGERFLOW_QUEUES
         # for the writer too: a native writer serves every queue, so it is only named, not fatal
         click.echo("warning: a native writer serves every queue; --queue/TRIGGERFLOW_QUEUES "

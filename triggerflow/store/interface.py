@@ -28,10 +28,11 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Protocol
 
+from triggerflow.errors import TriggerflowError
 from triggerflow.wire import Event
 
 
-class StoreError(Exception):
+class StoreError(TriggerflowError):
     """The store refused or failed a call."""
 
 

@@ -23,10 +23,11 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import NamedTuple, Protocol
 
+from triggerflow.errors import TriggerflowError
 from triggerflow.wire import Event
 
 
-class TransportError(Exception):
+class TransportError(TriggerflowError):
     """Base of the transport's errors."""
 
 

@@ -17,6 +17,8 @@ from urllib.parse import quote, unquote, urlsplit, urlunsplit
 
 import httpx
 
+from triggerflow.errors import TriggerflowError
+
 # A writer polls the API: its requests are not news at INFO.
 logging.getLogger("httpx").setLevel(logging.WARNING)
 
@@ -24,7 +26,7 @@ DEFAULT_PORT = 15672
 TIMEOUT = 5.0
 
 
-class ManagementUnavailable(Exception):
+class ManagementUnavailable(TriggerflowError):
     """The management API could not be asked (down, plugin off, refused credentials)."""
 
 

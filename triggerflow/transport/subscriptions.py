@@ -18,6 +18,7 @@ from functools import partial
 
 from tenacity import wait_exponential_jitter
 
+from triggerflow.errors import TriggerflowError
 from triggerflow.refusals import Refusals
 from triggerflow.transport.interface import (
     AccessRefused,
@@ -31,7 +32,7 @@ log = logging.getLogger(__name__)
 EVENTS = "<events>"  # the writer's input, named by the transport
 
 
-class ConnectionLost(Exception):
+class ConnectionLost(TriggerflowError):
     """The transport's connection closed while we were watching it."""
 
 

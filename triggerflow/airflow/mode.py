@@ -1,0 +1,152 @@
+"""Airflow mode: the native loops on ``AirflowStore``, plus what Airflow's triggerer did that
+nothing else in the deployment does (``triggerflow.modes`` says what a mode owns).
+
+A consumer runs Airflow's classes (``loader.AirflowLoader``: heap timers for
+``DateTimeTrigger`` forms, Airflow's coroutine otherwise), encodes every event with Airflow's
+serialisers (``codec.wire_outcome``) and serves the runtime trigger code calls
+(``runtime.serving``: connections, variables, XComs, DAG-run and task states ...).
+
+A writer's backstop is scoped to ``queues`` when given (during a migration the other queues
+are Airflow's own triggerer's), and beside it run
+- the ``TriggererJob`` heartbeat (``heartbeat.triggerer_job``), so Airflow's health checks see
+  a triggerer while a writer runs;
+- LISTEN on the NOTIFY trigger ``setup`` installed: each new Airflow trigger row becomes a
+  wake-up on its team queue within milliseconds (``wakeups.listen``);
+- the backstop: every ``reaper_interval``, rows nobody claimed within ``unclaimed_grace`` (a
+  notification lost while no listener was connected, a wake-up the broker refused) are sent
+  again, and ``Trigger.clean_unused`` runs (Airflow's triggerer runs it every loop).
+
+The queue gauges read triggerflow's schema and Airflow's rows (``statements.QUEUE_GAUGES``).
+Importing this module imports nothing from Airflow; a consumer's loader and encoder do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Sequence
+from typing import TYPE_CHECKING
+
+from triggerflow.airflow.store import AirflowStore
+from triggerflow.reaper import Reaper
+from triggerflow.settings import Settings
+from triggerflow.transport import Transport, TransportError
+
+if TYPE_CHECKING:
+    from triggerflow.consumer.outcomes import EncodeFn
+    from triggerflow.loader import Loader
+    from triggerflow.store.gauges import GaugeSource
+
+log = logging.getLogger(__name__)
+
+
+class WakeUps:
+    """New Airflow trigger rows -> wake-ups on their queues, then marked published (so the
+    backstop leaves them alone for ``unclaimed_grace``). ``queues``, when given, are the only
+    queues triggerflow serves: rows of any other are Airflow's own triggerer's."""
+
+    def __init__(self, store: AirflowStore, transport: Transport,
+                 queues: Sequence[str] = ()) -> None:
+        self.store = store
+        self.transport = transport
+        self.queues = frozenset(queues)
+
+    async def deliver(self, queue: str | None, ids: list[int]) -> None:
+        queue = queue or self.store.default_queue
+        if queue is None or not ids or (self.queues and queue not in self.queues):
+            return  # not triggerflow's queue: Airflow's own triggerer serves these rows
+        try:
+            await self.transport.publish_wakeups({queue: ids})
+        except TransportError as exc:
+            # The backstop re-sends them once the broker (or the queue) is back.
+            log.warning("wake-up for %d trigger(s) of %s not sent: %r", len(ids), queue, exc)
+            return
+        with contextlib.suppress(Exception):
+            await self.store.mark_published(ids)
+
+
+async def backstop(store: AirflowStore, reaper: Reaper, transport: Transport,
+                   interval: float) -> None:
+    while True:
+        await asyncio.sleep(interval)
+        if not transport.is_open:
+            continue
+        try:
+            await reaper.resend_unclaimed()
+            await store.clean_unused()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.warning("Airflow backstop scan failed: %r", exc)
+
+
+class AirflowMode:
+    """Airflow mode (``settings.airflow``): Airflow's metadata database is the store."""
+
+    name = "airflow"
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.writer_queues = list(settings.queues)
+
+    async def connect_store(self, *, max_size: int | None = None,
+                            lock_timeout: float | None = None) -> AirflowStore:
+        settings = self.settings
+        return await AirflowStore.connect(settings.database_dsn(),
+                                          default_queue=settings.default_queue,
+                                          max_size=max_size or settings.db_pool_size,
+                                          lock_timeout=lock_timeout,
+                                          resume_delay=settings.airflow_resume_delay.total_seconds())
+
+    def loader(self) -> Loader:
+        from triggerflow.airflow.loader import AirflowLoader
+
+        return AirflowLoader(self.settings.allowed_modules)
+
+    def encoder(self) -> EncodeFn | None:
+        from triggerflow.airflow.codec import wire_outcome
+
+        return wire_outcome
+
+    def serving_consumer(self) -> contextlib.AbstractAsyncContextManager[object]:
+        from triggerflow.airflow import runtime
+
+        return runtime.serving()
+
+    @contextlib.asynccontextmanager
+    async def serving_writer(self, store: AirflowStore, transport: Transport, reaper: Reaper,
+                             stop: asyncio.Event) -> AsyncIterator[None]:
+        from triggerflow.airflow import heartbeat, wakeups
+
+        settings = self.settings
+        wake = WakeUps(store, transport, self.writer_queues)
+        interval = settings.reaper_interval.total_seconds()
+        async with heartbeat.triggerer_job(store.pool):
+            side = [
+                asyncio.create_task(wakeups.listen(settings.database_dsn(), wake.deliver, stop),
+                                    name="airflow-listen"),
+                asyncio.create_task(backstop(store, reaper, transport, interval),
+                                    name="airflow-backstop"),
+            ]
+            try:
+                yield
+            finally:
+                for task in side:
+                    task.cancel()
+                await asyncio.gather(*side, return_exceptions=True)
+
+    async def connect_gauges(self) -> GaugeSource:
+        from triggerflow.airflow import statements as sql
+        from triggerflow.store.postgres.gauges import SqlGauges
+
+        return await SqlGauges.connect(self.settings.database_dsn(),
+                                       leases_sql=sql.QUEUE_GAUGES, queues_sql=sql.GAUGE_QUEUES,
+                                       args=[self.settings.default_queue])
+
+
+if TYPE_CHECKING:
+    from triggerflow.modes import Mode
+
+    def _is_a_mode(mode: AirflowMode) -> Mode[AirflowStore]:
+        return mode  # mypy checks AirflowMode against the Protocol here
