@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import pytest
 
 from triggerflow.lease import Lease, LeaseLost
-from triggerflow.store import ProcessKind, Renewal
+from triggerflow.store import ProcessKind, Renewal, StoreUnavailable
 
 
 class SlowStore:
@@ -49,3 +50,84 @@ async def test_a_slow_renewal_does_not_stretch_the_deadline_past_the_row() -> No
     store.expired = True
     with pytest.raises(LeaseLost, match="expired"):
         await lease.renew(0)
+
+
+class ScriptedStore:
+    """Answers renew from a script (a Renewal, None for "expired", or an error to raise) and
+    counts registrations, each with a new id."""
+
+    def __init__(self, *renewals: Renewal | Exception | None) -> None:
+        self.renewals = list(renewals)
+        self.registered = 0
+        self.renew_args: list[tuple[Any, ...]] = []
+
+    async def register(self, *args: Any) -> int:
+        self.registered += 1
+        return 40 + self.registered
+
+    async def renew(self, *args: Any, subscribed: bool) -> Renewal | None:
+        self.renew_args.append((*args, subscribed))
+        answer = self.renewals.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+
+def scripted(*renewals: Renewal | Exception | None) -> tuple[ScriptedStore, Lease]:
+    store = ScriptedStore(*renewals)
+    lease = Lease(store, ProcessKind.WRITER, queues=["q"], ttl=2.0, renew_interval=0.5)  # type: ignore[arg-type]
+    return store, lease
+
+
+async def test_readiness_names_what_is_wrong_with_the_lease_and_the_store() -> None:
+    _, lease = scripted()
+    assert lease.problem() == "not registered"
+    assert lease.database_problem() == "no round-trip yet"
+    lease._stored(StoreUnavailable("connection refused"))
+    assert lease.problem() == "not registered (StoreUnavailable: connection refused)"
+    assert lease.database_problem() == "StoreUnavailable: connection refused"
+    await lease.register()
+    assert (lease.problem(), lease.database_problem()) == (None, None)
+    lease.renewed_at = lease.store_ok_at = time.monotonic() - 1.9  # within the 2 s TTL
+    assert (lease.problem(), lease.database_problem()) == (None, None)
+    lease.renewed_at = lease.store_ok_at = time.monotonic() - 2.5
+    assert lease.problem() == "not renewed for 2.5s (lease TTL 2s)"
+    assert lease.database_problem() == "no round-trip for 2.5s"
+
+
+async def test_a_writers_lease_is_kept_and_registered_anew_once_expired() -> None:
+    store, lease = scripted(Renewal(0, 0, 0), None, StoreUnavailable("down"))
+    assert await lease.register() == 41
+    lease.renewed_at = None
+    await lease.keep(subscribed=False)
+    assert (lease.me, lease.renewed_at is not None) == (41, True)
+    assert store.renew_args == [(41, 2.0, 0, ["q"], False)]
+    await lease.keep(subscribed=True)  # expired in the store: a new row
+    assert (lease.me, store.registered, lease.problem()) == (42, 2, None)
+    with pytest.raises(StoreUnavailable):
+        await lease.keep(subscribed=True)
+    assert lease.database_problem() == "StoreUnavailable: down"
+
+
+async def test_a_renewal_that_fails_once_keeps_the_lease_and_an_expired_one_loses_it() -> None:
+    store, lease = scripted(StoreUnavailable("blip"), Renewal(1, 2, 3), None)
+    await lease.register()
+    with pytest.raises(StoreUnavailable):
+        await lease.renew(5, subscribed=False)
+    assert (lease.problem(), lease.database_problem()) == (None, "StoreUnavailable: blip")
+    assert await lease.renew(5) == Renewal(1, 2, 3)
+    assert store.renew_args[-1] == (41, 2.0, 5, ["q"], True)
+    assert lease.database_problem() is None
+    with pytest.raises(LeaseLost, match="lease had expired in the database"):
+        await lease.renew(5)
+    assert lease.problem() == "not registered"
+
+
+async def test_an_overdue_renewal_is_lost_without_asking_the_store() -> None:
+    store, lease = scripted(Renewal(0, 0, 0))
+    await lease.register()
+    lease.deadline = asyncio.get_running_loop().time()
+    with pytest.raises(LeaseLost, match="overdue"):
+        await lease.renew(0)
+    assert (store.renew_args, lease.problem()) == ([], "not registered")
+    assert not lease.valid()

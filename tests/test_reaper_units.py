@@ -1,0 +1,169 @@
+"""The reaper's own decisions, in-process, on a scripted store and a recording broker: what it
+re-sends where, what it hands its consumer first, what a broken broker costs, and which queues
+it reports unconsumed. (Killed the mutants `make mutate-py` found surviving here.)"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from triggerflow.reaper import Reaper
+from triggerflow.settings import Settings
+from triggerflow.store import FreedTrigger, Reaped, Taker, TriggerRef, TriggerSpec
+from triggerflow.transport import TransportUnavailable, Unroutable
+
+
+class ScriptedStore:
+    """Answers each reaper query from a script and records how it was asked."""
+
+    def __init__(self, reaped: list[Reaped] | None = None, **answers: Any) -> None:
+        self.reaped = list(reaped or [])
+        self.answers = answers
+        self.calls: list[tuple[str, tuple[Any, ...]]] = []
+
+    async def reap_dead(self, *args: Any) -> Reaped:
+        self.calls.append(("reap_dead", args))
+        return self.reaped.pop(0) if self.reaped else Reaped([], 0)
+
+    def __getattr__(self, name: str) -> Any:
+        async def answer(*args: Any) -> Any:
+            self.calls.append((name, args))
+            return self.answers[name]
+        return answer
+
+
+class RecordingBroker:
+    def __init__(self, error: Exception | None = None) -> None:
+        self.error = error
+        self.published: list[tuple[dict[str, list[int]], int]] = []
+
+    async def publish_wakeups(self, by_queue: dict[str, list[int]], rate: int) -> None:
+        if self.error is not None:
+            raise self.error
+        self.published.append((dict(by_queue), rate))
+
+
+class Room:
+    """A consumer that takes ``room`` ids of each queue itself and returns the rest."""
+
+    def __init__(self, room: int) -> None:
+        self.room = room
+        self.offered: list[tuple[str, list[int]]] = []
+        self.adopted: list[TriggerSpec] = []
+
+    @contextlib.asynccontextmanager
+    async def taking(self) -> AsyncIterator[Taker | None]:
+        yield Taker(me=9, room=self.room)
+
+    async def adopt(self, taker: Taker, specs: list[TriggerSpec]) -> None:
+        self.adopted += specs
+
+    def take_locally(self, queue: str, ids: list[int]) -> list[int]:
+        self.offered.append((queue, ids))
+        return ids[self.room:]
+
+
+def freed(id: int, queue: str, quarantined: bool = False) -> FreedTrigger:
+    return FreedTrigger(id, queue, "tests.triggers.Sleep", 2 if quarantined else 0, quarantined)
+
+
+def reaper(store: ScriptedStore, broker: RecordingBroker, local: Room | None = None,
+           queues: tuple[str, ...] = ("a", "b"), **settings: Any) -> Reaper:
+    return Reaper(store, broker, Settings(queues=list(queues), reclaim_rate=77,  # type: ignore[arg-type]
+                                          **settings), local)
+
+
+async def test_freed_triggers_go_to_their_own_queues_and_quarantined_ones_nowhere() -> None:
+    store = ScriptedStore([Reaped([freed(1, "a"), freed(2, "b"), freed(3, "a"),
+                                   freed(4, "a", quarantined=True)], dead_owners=1)])
+    broker = RecordingBroker()
+    assert await reaper(store, broker, max_failures=3, reap_batch=10).reap_dead() == 4
+    assert broker.published == [({"a": [1, 3], "b": [2]}, 77)]
+    assert store.calls == [("reap_dead", (["a", "b"], 3, 10))]
+
+
+async def test_a_writers_reaper_covers_every_queue_and_takes_nothing() -> None:
+    store = ScriptedStore([Reaped([freed(1, "a")], dead_owners=1)])
+    broker = RecordingBroker()
+    assert await reaper(store, broker, queues=()).reap_dead() == 1
+    assert store.calls[0][1][0] is None  # scope: all queues
+    assert len(store.calls[0][1]) == 3  # no taker
+    assert broker.published == [({"a": [1]}, 77)]
+
+
+async def test_reaping_goes_on_in_batches_until_one_comes_back_short() -> None:
+    full = Reaped([freed(1, "a"), freed(2, "a")], dead_owners=0)
+    store = ScriptedStore([full, full, Reaped([freed(3, "b")], dead_owners=1)])
+    broker = RecordingBroker()
+    assert await reaper(store, broker, reap_batch=2).reap_dead() == 5
+    assert [c[0] for c in store.calls] == ["reap_dead"] * 3
+    assert [p for p, _ in broker.published] == [{"a": [1, 2]}, {"a": [1, 2]}, {"b": [3]}]
+
+
+async def test_the_consumer_takes_freed_triggers_first_and_only_the_rest_are_resent() -> None:
+    taken = TriggerSpec(5, 2, "a", "tests.triggers.Sleep", {})
+    store = ScriptedStore([Reaped([freed(1, "a"), freed(2, "b"), freed(3, "a")],
+                                  dead_owners=1, taken=[taken])])
+    broker, local = RecordingBroker(), Room(room=1)
+    assert await reaper(store, broker, local, reap_batch=10).reap_dead() == 4
+    assert local.offered == [("a", [1, 3]), ("b", [2])]
+    assert broker.published == [({"a": [3]}, 77)]  # "b" had room for its one: nothing to send
+    assert local.adopted == [taken]
+    assert store.calls[0][1][3] == Taker(me=9, room=1)
+
+
+@pytest.mark.parametrize(("error", "level", "words"), [
+    (Unroutable("no queue bound"), logging.ERROR, "cannot re-send triggers: no queue bound"),
+    (TransportUnavailable("gone"), logging.WARNING, "broker down; 2 triggers will be re-sent"),
+])
+async def test_a_broken_broker_costs_the_resend_not_the_sweep(
+        error: Exception, level: int, words: str, caplog: pytest.LogCaptureFixture) -> None:
+    store = ScriptedStore(resend_unclaimed=[TriggerRef(1, "a"), TriggerRef(2, "b")])
+    with caplog.at_level(logging.WARNING, logger="triggerflow.reaper"):
+        assert await reaper(store, RecordingBroker(error)).resend_unclaimed() == 2
+    assert [(r.levelno, r.getMessage()[:len(words)]) for r in caplog.records
+            if r.name == "triggerflow.reaper"] == [(level, words)]
+
+
+async def test_unclaimed_and_orphan_sweeps_pass_their_settings_and_scope() -> None:
+    store = ScriptedStore(resend_unclaimed=[TriggerRef(1, "b")],
+                          time_out_orphans=[TriggerRef(2, "a"), TriggerRef(3, "a")])
+    broker = RecordingBroker()
+    sweeper = reaper(store, broker, unclaimed_grace=4.0, max_deferral=600.0)
+    assert await sweeper.resend_unclaimed() == 1
+    assert await sweeper.time_out_orphans() == 2
+    assert store.calls == [("resend_unclaimed", (["a", "b"], 4.0, 77)),
+                           ("time_out_orphans", (["a", "b"], 600.0))]
+    assert broker.published == [({"b": [1]}, 77)]
+
+
+async def test_nothing_unclaimed_sends_nothing() -> None:
+    broker = RecordingBroker()
+    assert await reaper(ScriptedStore(resend_unclaimed=[]), broker).resend_unclaimed() == 0
+    assert broker.published == []
+
+
+async def test_a_consumers_reaper_reports_its_own_queues_nobody_consumes(
+        caplog: pytest.LogCaptureFixture) -> None:
+    store = ScriptedStore(queue_consumers={"a": 0, "b": 2})
+    sweeper = reaper(store, RecordingBroker())
+    with caplog.at_level(logging.WARNING, logger="triggerflow.reaper"):
+        assert await sweeper.report_unconsumed() == ["a"]
+    assert sweeper.unconsumed == ["a"]
+    assert store.calls == [("queue_consumers", (["a", "b"],))]
+    assert "queue a has no live consumer" in caplog.text
+
+
+async def test_a_writers_reaper_reports_the_waiting_queues_nobody_consumes() -> None:
+    store = ScriptedStore(waiting_queues=["a", "c"], queue_consumers={"a": 1, "c": 0})
+    sweeper = reaper(store, RecordingBroker(), queues=(), unclaimed_grace=4.0)
+    sweeper.unconsumed = ["stale"]
+    assert await sweeper.report_unconsumed() == ["c"]
+    assert store.calls == [("waiting_queues", (4.0,)), ("queue_consumers", (["a", "c"],))]
+    store.answers["waiting_queues"] = []
+    assert await sweeper.report_unconsumed() == []
+    assert sweeper.unconsumed == []
