@@ -63,6 +63,8 @@ class ScriptedStore:
 
     async def register(self, *args: Any) -> int:
         self.registered += 1
+        if self.registered > 2:
+            raise RuntimeError("the third registration breaks")
         return 40 + self.registered
 
     async def renew(self, *args: Any, subscribed: bool) -> Renewal | None:
@@ -107,6 +109,10 @@ async def test_a_writers_lease_is_kept_and_registered_anew_once_expired() -> Non
     with pytest.raises(StoreUnavailable):
         await lease.keep(subscribed=True)
     assert lease.database_problem() == "StoreUnavailable: down"
+    store.renewals.append(None)  # expired again, and registering anew fails: not registered
+    with pytest.raises(RuntimeError):
+        await lease.keep(subscribed=True)
+    assert lease.problem() == "not registered"
 
 
 async def test_a_renewal_that_fails_once_keeps_the_lease_and_an_expired_one_loses_it() -> None:

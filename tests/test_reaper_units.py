@@ -4,6 +4,7 @@ it reports unconsumed. (Killed the mutants `make mutate-py` found surviving here
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
@@ -53,18 +54,39 @@ class Room:
     def __init__(self, room: int) -> None:
         self.room = room
         self.offered: list[tuple[str, list[int]]] = []
-        self.adopted: list[TriggerSpec] = []
+        self.adopted: list[tuple[Taker, list[TriggerSpec]]] = []
 
     @contextlib.asynccontextmanager
     async def taking(self) -> AsyncIterator[Taker | None]:
         yield Taker(me=9, room=self.room)
 
     async def adopt(self, taker: Taker, specs: list[TriggerSpec]) -> None:
-        self.adopted += specs
+        self.adopted.append((taker, specs))
 
     def take_locally(self, queue: str, ids: list[int]) -> list[int]:
         self.offered.append((queue, ids))
         return ids[self.room:]
+
+
+class Counted:
+    """Stands in for the metrics: every ``<counter>.add(n, labels)`` the reaper makes."""
+
+    def __init__(self) -> None:
+        self.adds: list[tuple[str, int, dict[str, str] | None]] = []
+
+    def __getattr__(self, counter: str) -> Any:
+        class Counter:
+            @staticmethod
+            def add(n: int, labels: dict[str, str] | None = None) -> None:
+                self.adds.append((counter, n, labels))
+        return Counter()
+
+
+@pytest.fixture
+def counted(monkeypatch: pytest.MonkeyPatch) -> Counted:
+    metrics = Counted()
+    monkeypatch.setattr("triggerflow.reaper.get_metrics", lambda: metrics)
+    return metrics
 
 
 def freed(id: int, queue: str, quarantined: bool = False) -> FreedTrigger:
@@ -77,13 +99,35 @@ def reaper(store: ScriptedStore, broker: RecordingBroker, local: Room | None = N
                                           **settings), local)
 
 
-async def test_freed_triggers_go_to_their_own_queues_and_quarantined_ones_nowhere() -> None:
+async def test_freed_triggers_go_to_their_own_queues_and_quarantined_ones_nowhere(
+        counted: Counted) -> None:
     store = ScriptedStore([Reaped([freed(1, "a"), freed(2, "b"), freed(3, "a"),
                                    freed(4, "a", quarantined=True)], dead_owners=1)])
     broker = RecordingBroker()
     assert await reaper(store, broker, max_failures=3, reap_batch=10).reap_dead() == 4
     assert broker.published == [({"a": [1, 3], "b": [2]}, 77)]
     assert store.calls == [("reap_dead", (["a", "b"], 3, 10))]
+    assert counted.adds == [("quarantined", 1, {"queue": "a"}),
+                            ("resent", 2, {"cause": "dead_owner", "queue": "a"}),
+                            ("resent", 1, {"cause": "dead_owner", "queue": "b"})]
+
+
+async def test_nothing_reaped_sends_and_logs_nothing(caplog: pytest.LogCaptureFixture) -> None:
+    broker = RecordingBroker()
+    with caplog.at_level(logging.INFO, logger="triggerflow.reaper"):
+        assert await reaper(ScriptedStore(), broker, Room(room=1)).reap_dead() == 0
+    assert (broker.published, caplog.text) == ([], "")
+
+
+async def test_what_is_only_taken_over_is_logged_and_nothing_resent(
+        caplog: pytest.LogCaptureFixture) -> None:
+    taken = [TriggerSpec(5, 2, "a", "tests.triggers.Sleep", {})]
+    store = ScriptedStore([Reaped([], dead_owners=0, taken=taken)])
+    broker = RecordingBroker()
+    with caplog.at_level(logging.INFO, logger="triggerflow.reaper"):
+        assert await reaper(store, broker, Room(room=1)).reap_dead() == 1
+    assert "reclaimed 1 triggers (1 taken over here) of dead consumers (a batch" in caplog.text
+    assert all(not by_queue for by_queue, _ in broker.published)
 
 
 async def test_a_writers_reaper_covers_every_queue_and_takes_nothing() -> None:
@@ -104,16 +148,21 @@ async def test_reaping_goes_on_in_batches_until_one_comes_back_short() -> None:
     assert [p for p, _ in broker.published] == [{"a": [1, 2]}, {"a": [1, 2]}, {"b": [3]}]
 
 
-async def test_the_consumer_takes_freed_triggers_first_and_only_the_rest_are_resent() -> None:
+async def test_the_consumer_takes_freed_triggers_first_and_only_the_rest_are_resent(
+        counted: Counted, caplog: pytest.LogCaptureFixture) -> None:
     taken = TriggerSpec(5, 2, "a", "tests.triggers.Sleep", {})
     store = ScriptedStore([Reaped([freed(1, "a"), freed(2, "b"), freed(3, "a")],
                                   dead_owners=1, taken=[taken])])
     broker, local = RecordingBroker(), Room(room=1)
-    assert await reaper(store, broker, local, reap_batch=10).reap_dead() == 4
+    with caplog.at_level(logging.INFO, logger="triggerflow.reaper"):
+        assert await reaper(store, broker, local, max_failures=4, reap_batch=10).reap_dead() == 4
+    assert "reclaimed 4 triggers (1 taken over here) from 1 dead consumer(s)" in caplog.text
     assert local.offered == [("a", [1, 3]), ("b", [2])]
     assert broker.published == [({"a": [3]}, 77)]  # "b" had room for its one: nothing to send
-    assert local.adopted == [taken]
-    assert store.calls[0][1][3] == Taker(me=9, room=1)
+    assert local.adopted == [(Taker(me=9, room=1), [taken])]
+    assert store.calls[0] == ("reap_dead", (["a", "b"], 4, 10, Taker(me=9, room=1)))
+    assert counted.adds == [("taken_over", 1, None),
+                            ("resent", 1, {"cause": "dead_owner", "queue": "a"})]
 
 
 @pytest.mark.parametrize(("error", "level", "words"), [
@@ -121,15 +170,18 @@ async def test_the_consumer_takes_freed_triggers_first_and_only_the_rest_are_res
     (TransportUnavailable("gone"), logging.WARNING, "broker down; 2 triggers will be re-sent"),
 ])
 async def test_a_broken_broker_costs_the_resend_not_the_sweep(
-        error: Exception, level: int, words: str, caplog: pytest.LogCaptureFixture) -> None:
+        error: Exception, level: int, words: str, caplog: pytest.LogCaptureFixture,
+        counted: Counted) -> None:
     store = ScriptedStore(resend_unclaimed=[TriggerRef(1, "a"), TriggerRef(2, "b")])
     with caplog.at_level(logging.WARNING, logger="triggerflow.reaper"):
         assert await reaper(store, RecordingBroker(error)).resend_unclaimed() == 2
     assert [(r.levelno, r.getMessage()[:len(words)]) for r in caplog.records
             if r.name == "triggerflow.reaper"] == [(level, words)]
+    # Counted unless the broker was down (those are re-sent later): an unroutable publish counts.
+    assert len(counted.adds) == (2 if isinstance(error, Unroutable) else 0)
 
 
-async def test_unclaimed_and_orphan_sweeps_pass_their_settings_and_scope() -> None:
+async def test_unclaimed_and_orphan_sweeps_pass_their_settings_and_scope(counted: Counted) -> None:
     store = ScriptedStore(resend_unclaimed=[TriggerRef(1, "b")],
                           time_out_orphans=[TriggerRef(2, "a"), TriggerRef(3, "a")])
     broker = RecordingBroker()
@@ -139,6 +191,8 @@ async def test_unclaimed_and_orphan_sweeps_pass_their_settings_and_scope() -> No
     assert store.calls == [("resend_unclaimed", (["a", "b"], 4.0, 77)),
                            ("time_out_orphans", (["a", "b"], 600.0))]
     assert broker.published == [({"b": [1]}, 77)]
+    assert counted.adds == [("resent", 1, {"cause": "unclaimed", "queue": "b"}),
+                            ("timed_out", 2, {"queue": "a"})]
 
 
 async def test_nothing_unclaimed_sends_nothing() -> None:
@@ -148,7 +202,7 @@ async def test_nothing_unclaimed_sends_nothing() -> None:
 
 
 async def test_a_consumers_reaper_reports_its_own_queues_nobody_consumes(
-        caplog: pytest.LogCaptureFixture) -> None:
+        caplog: pytest.LogCaptureFixture, counted: Counted) -> None:
     store = ScriptedStore(queue_consumers={"a": 0, "b": 2})
     sweeper = reaper(store, RecordingBroker())
     with caplog.at_level(logging.WARNING, logger="triggerflow.reaper"):
@@ -156,6 +210,7 @@ async def test_a_consumers_reaper_reports_its_own_queues_nobody_consumes(
     assert sweeper.unconsumed == ["a"]
     assert store.calls == [("queue_consumers", (["a", "b"],))]
     assert "queue a has no live consumer" in caplog.text
+    assert counted.adds == [("unconsumed", 1, {"queue": "a"})]
 
 
 async def test_a_writers_reaper_reports_the_waiting_queues_nobody_consumes() -> None:
@@ -167,3 +222,46 @@ async def test_a_writers_reaper_reports_the_waiting_queues_nobody_consumes() -> 
     store.answers["waiting_queues"] = []
     assert await sweeper.report_unconsumed() == []
     assert sweeper.unconsumed == []
+
+
+async def sweeps(store: ScriptedStore, connected: asyncio.Event, now: asyncio.Event,
+                 **settings: Any) -> asyncio.Task[None]:
+    return asyncio.create_task(reaper(store, RecordingBroker(), **settings).run(connected, now))
+
+
+async def called(store: ScriptedStore, n: int) -> list[str]:
+    """The first ``n`` store calls, once made."""
+    async with asyncio.timeout(10):
+        while len(store.calls) < n:  # noqa: ASYNC110 - polls the scripted store
+            await asyncio.sleep(0.01)
+    return [name for name, _ in store.calls[:n]]
+
+
+async def test_a_witnessed_death_reaps_at_once_and_the_full_sweep_waits_its_interval() -> None:
+    store = ScriptedStore(resend_unclaimed=[], time_out_orphans=[])
+    connected, now = asyncio.Event(), asyncio.Event()
+    task = await sweeps(store, connected, now, reaper_interval=60.0)
+    try:
+        now.set()
+        await asyncio.sleep(0.05)
+        assert store.calls == []  # nothing is freed while the broker is away
+        connected.set()
+        assert await called(store, 3) == ["reap_dead", "resend_unclaimed", "time_out_orphans"]
+        now.set()  # another death: reaped now, the full sweep not again before 60 s
+        assert await called(store, 4) == ["reap_dead", "resend_unclaimed", "time_out_orphans",
+                                          "reap_dead"]
+        await asyncio.sleep(0.05)
+        assert len(store.calls) == 4
+    finally:
+        task.cancel()
+
+
+async def test_without_a_witness_the_reaper_sweeps_every_interval() -> None:
+    store = ScriptedStore(resend_unclaimed=[], time_out_orphans=[])
+    connected = asyncio.Event()
+    connected.set()
+    task = await sweeps(store, connected, asyncio.Event(), reaper_interval=0.05)
+    try:
+        assert (await called(store, 6)).count("reap_dead") == 2
+    finally:
+        task.cancel()

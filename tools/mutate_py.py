@@ -4,9 +4,11 @@
 ``[tool.mutmut]`` in pyproject.toml names (leases, probation, rebalancing, the reaper, the
 writer and its lanes, the wire format), each mutant against the in-process tests that reach
 the mutated function, then prints one row per module. The rows and every survivor's diff go
-to ``--report`` (markdown). ``--report-only`` tables the last run's results without running.
+to ``--report`` (markdown). ``--report-only`` tables the last run's results without running;
+``--survivors`` runs again only what survived (after adding tests).
 
-mutmut keeps its results in ``mutants/``: a second run tests only what is new or changed.
+mutmut keeps its results in ``mutants/``: a run without names tests only what is new or
+changed since; a run with names (globs) tests every mutant they match.
 """
 
 from __future__ import annotations
@@ -60,12 +62,16 @@ def table(by_module: dict[str, dict[str, int | None]]) -> list[str]:
 
 
 def survivors(by_module: dict[str, dict[str, int | None]]) -> list[str]:
-    names = [n for codes in by_module.values() for n, c in sorted(codes.items())
-             if status(c) in ("survived", "no tests")]
+    return [n for codes in by_module.values() for n, c in sorted(codes.items())
+            if status(c) in ("survived", "no tests")]
+
+
+def diffs(names: list[str]) -> list[str]:
+    from mutmut.mutation.diff_apply import get_diff_for_mutant  # reads mutants/ of the cwd
+
     out: list[str] = []
     for name in names:
-        shown = subprocess.run([mutmut(), "show", name], capture_output=True, text=True)
-        out += ["", "```diff", shown.stdout.strip(), "```"]
+        out += ["", f"`{name}`", "```diff", get_diff_for_mutant(name).strip(), "```"]
     return out
 
 
@@ -75,10 +81,15 @@ def main() -> int:
     parser.add_argument("--max-children", type=int, default=2)
     parser.add_argument("--report", default=".tools/mutation-py-report.md")
     parser.add_argument("--report-only", action="store_true")
+    parser.add_argument("--survivors", action="store_true",
+                        help="run again only the mutants that survived the last run (new tests?)")
     args = parser.parse_args()
-    if not args.report_only:
+    names = survivors(results()) if args.survivors else args.names
+    if args.survivors and not names:
+        print("no survivors to run again")
+    elif not args.report_only:
         run = subprocess.run([mutmut(), "run", "--max-children", str(args.max_children),
-                              *args.names])
+                              *names])
         if run.returncode:
             return run.returncode
     by_module = results()
@@ -86,7 +97,7 @@ def main() -> int:
     print("\n".join(rows))
     report = Path(args.report)
     report.parent.mkdir(parents=True, exist_ok=True)
-    report.write_text("\n".join([*rows, "", "## Survivors", *survivors(by_module)]) + "\n")
+    report.write_text("\n".join([*rows, "", "## Survivors", *diffs(survivors(by_module))]) + "\n")
     print(f"survivors' diffs: {report}")
     return 0
 
