@@ -1,6 +1,7 @@
-"""The reaper's own decisions, in-process, on a scripted store and a recording broker: what it
-re-sends where, what it hands its consumer first, what a broken broker costs, and which queues
-it reports unconsumed. (Killed the mutants `make mutate-py` found surviving here.)"""
+"""The reaper's and probation's own decisions, in-process, on a scripted store and a recording
+broker: what the reaper re-sends where, what it hands its consumer first, what a broken broker
+costs, which queues it reports unconsumed, when it sweeps; when probation takes suspects.
+(They kill mutants that `make mutate-py` found surviving the loop tests.)"""
 
 from __future__ import annotations
 
@@ -12,9 +13,10 @@ from typing import Any
 
 import pytest
 
+from triggerflow.consumer.probation import Probation
 from triggerflow.reaper import Reaper
 from triggerflow.settings import Settings
-from triggerflow.store import FreedTrigger, Reaped, Taker, TriggerRef, TriggerSpec
+from triggerflow.store import FreedTrigger, Reaped, StoreUnavailable, Taker, TriggerRef, TriggerSpec
 from triggerflow.transport import TransportUnavailable, Unroutable
 
 
@@ -263,5 +265,64 @@ async def test_without_a_witness_the_reaper_sweeps_every_interval() -> None:
     task = await sweeps(store, connected, asyncio.Event(), reaper_interval=0.05)
     try:
         assert (await called(store, 6)).count("reap_dead") == 2
+    finally:
+        task.cancel()
+
+
+# ------------------------------------------------------------------------------- probation
+
+
+class Suspects(ScriptedStore):
+    """claim_probation answers from a list (an exception is raised); clear_probation records."""
+
+    def __init__(self, *groups: list[TriggerSpec] | Exception) -> None:
+        super().__init__(clear_probation=None)
+        self.groups = list(groups)
+
+    async def claim_probation(self, *args: Any) -> list[TriggerSpec]:
+        self.calls.append(("claim_probation", args))
+        group = self.groups.pop(0) if self.groups else []
+        if isinstance(group, Exception):
+            raise group
+        return group
+
+
+class Me:
+    me = 7
+
+
+def on_probation(store: Suspects, room: list[int], started: list[int]) -> asyncio.Task[None]:
+    probation = Probation(store, Me(), ["a"], asyncio.Lock(),  # type: ignore[arg-type]
+                          lambda spec: started.append(spec.id), seconds=0.01,
+                          room=lambda: room[0])
+    probation.suspects.set()
+    return asyncio.create_task(probation.run())
+
+
+def suspect(id: int) -> TriggerSpec:
+    return TriggerSpec(id, 3, "a", "tests.triggers.Sleep", {})
+
+
+async def test_a_full_consumer_takes_suspects_only_once_it_has_room() -> None:
+    store, room, started = Suspects([suspect(1)]), [0], []
+    task = on_probation(store, room, started)
+    try:
+        await asyncio.sleep(0.05)  # nothing to wait for: a full consumer claims nothing
+        assert store.calls == []
+        room[0] = 1
+        assert await called(store, 3) == ["claim_probation", "clear_probation", "claim_probation"]
+        assert store.calls[:2] == [("claim_probation", (7, ["a"], 1)),
+                                   ("clear_probation", (7, [1]))]
+        assert started == [1]
+    finally:
+        task.cancel()
+
+
+async def test_a_failed_probation_claim_is_tried_again() -> None:
+    store, started = Suspects(StoreUnavailable("blip"), [suspect(2)]), []
+    task = on_probation(store, [5], started)
+    try:
+        assert await called(store, 3) == ["claim_probation", "claim_probation", "clear_probation"]
+        assert started == [2]
     finally:
         task.cancel()
