@@ -60,12 +60,20 @@ class ScriptedStore:
         self.renewals = list(renewals)
         self.registered = 0
         self.renew_args: list[tuple[Any, ...]] = []
+        self.refuse_next_registration = False
+        self.unregistered: list[int] = []
 
     async def register(self, *args: Any) -> int:
+        if self.refuse_next_registration:
+            self.refuse_next_registration = False
+            raise StoreUnavailable("starting up")
         self.registered += 1
         if self.registered > 2:
             raise RuntimeError("the third registration breaks")
         return 40 + self.registered
+
+    async def unregister(self, me: int) -> None:
+        self.unregistered.append(me)
 
     async def renew(self, *args: Any, subscribed: bool) -> Renewal | None:
         self.renew_args.append((*args, subscribed))
@@ -123,8 +131,8 @@ async def test_a_renewal_that_fails_once_keeps_the_lease_and_an_expired_one_lose
     assert (lease.problem(), lease.database_problem()) == (None, "StoreUnavailable: blip")
     assert await lease.renew(5) == Renewal(1, 2, 3)
     assert store.renew_args[-1] == (41, 2.0, 5, ["q"], True)
-    assert lease.database_problem() is None
-    with pytest.raises(LeaseLost, match="lease had expired in the database"):
+    assert (lease.problem(), lease.database_problem()) == (None, None)
+    with pytest.raises(LeaseLost, match=r"^lease had expired in the database$"):
         await lease.renew(5)
     assert lease.problem() == "not registered"
 
@@ -133,7 +141,33 @@ async def test_an_overdue_renewal_is_lost_without_asking_the_store() -> None:
     store, lease = scripted(Renewal(0, 0, 0))
     await lease.register()
     lease.deadline = asyncio.get_running_loop().time()
-    with pytest.raises(LeaseLost, match="overdue"):
+    with pytest.raises(LeaseLost, match=r"^renewal overdue \(loop stalled or database unreachable\)$"):
         await lease.renew(0)
     assert (store.renew_args, lease.problem()) == ([], "not registered")
     assert not lease.valid()
+
+
+async def test_a_renewal_with_half_a_second_left_is_still_sent() -> None:
+    _, lease = scripted(Renewal(0, 0, 0))
+    await lease.register()
+    lease.deadline = asyncio.get_running_loop().time() + 0.5
+    assert await lease.renew(0) == Renewal(0, 0, 0)
+
+
+async def test_a_renewal_answered_after_the_deadline_loses_the_lease() -> None:
+    lease = Lease(SlowStore(5.0), ProcessKind.CONSUMER, ttl=2.0, renew_interval=0.5)  # type: ignore[arg-type]
+    lease.renewed_at = time.monotonic()
+    lease.deadline = asyncio.get_running_loop().time() + 0.1
+    with pytest.raises(LeaseLost, match=r"^renewal timed out$"):
+        await lease.renew(0)
+    assert lease.problem() == "not registered (TimeoutError: renewal timed out)"
+    assert lease.database_problem() == "TimeoutError: renewal timed out"
+
+
+async def test_registration_is_retried_while_the_store_is_down_and_leave_names_the_row() -> None:
+    store, lease = scripted()
+    store.refuse_next_registration = True
+    assert await lease.register() == 41
+    assert (lease.problem(), lease.database_problem()) == (None, None)
+    await lease.leave()
+    assert store.unregistered == [41]

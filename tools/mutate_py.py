@@ -82,9 +82,9 @@ def main() -> int:
     parser.add_argument("--report", default=".tools/mutation-py-report.md")
     parser.add_argument("--report-only", action="store_true")
     parser.add_argument("--survivors", action="store_true",
-                        help="run again only the mutants that survived the last run (new tests?)")
+                        help="run again the mutants that survived (new tests?), and those of NAMES")
     args = parser.parse_args()
-    names = survivors(results()) if args.survivors else args.names
+    names = [*survivors(results()), *args.names] if args.survivors else args.names
     if args.survivors and not names:
         print("no survivors to run again")
     elif not args.report_only:
