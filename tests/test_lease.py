@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import socket
 import time
 from typing import Any
 
 import pytest
 
+from triggerflow import __version__
 from triggerflow.lease import Lease, LeaseLost
 from triggerflow.store import ProcessKind, Renewal, StoreUnavailable
 
@@ -62,8 +65,10 @@ class ScriptedStore:
         self.renew_args: list[tuple[Any, ...]] = []
         self.refuse_next_registration = False
         self.unregistered: list[int] = []
+        self.register_args: list[tuple[Any, ...]] = []
 
     async def register(self, *args: Any) -> int:
+        self.register_args.append(args)
         if self.refuse_next_registration:
             self.refuse_next_registration = False
             raise StoreUnavailable("starting up")
@@ -167,7 +172,15 @@ async def test_a_renewal_answered_after_the_deadline_loses_the_lease() -> None:
 async def test_registration_is_retried_while_the_store_is_down_and_leave_names_the_row() -> None:
     store, lease = scripted()
     store.refuse_next_registration = True
-    assert await lease.register() == 41
+    registering = asyncio.create_task(lease.register())
+    async with asyncio.timeout(10):
+        while not store.register_args:  # noqa: ASYNC110 - polls the scripted store
+            await asyncio.sleep(0.01)
+    # Waiting to retry (at least 0.5 s): readiness names the failure meanwhile.
+    assert lease.problem() == "not registered (StoreUnavailable: starting up)"
+    assert await registering == 41
     assert (lease.problem(), lease.database_problem()) == (None, None)
+    row = (ProcessKind.WRITER, socket.gethostname(), os.getpid(), ["q"], 0, __version__, 2.0)
+    assert store.register_args == [row, row]
     await lease.leave()
     assert store.unregistered == [41]
