@@ -21,7 +21,10 @@ from triggerflow.store import KwargsError, KwargsProblem, TriggerSpec
 from triggerflow.triggers import DateTimeTrigger, TimeDeltaTrigger
 from triggerflow.triggers.base import BaseTrigger, TimerTrigger, TriggerEvent
 from triggerflow.wire import (
+    EVENT_KINDS,
     EVENT_OVERHEAD,
+    MAX_ID_MESSAGE_BYTES,
+    MAX_IDS,
     Event,
     PayloadError,
     WireError,
@@ -29,6 +32,7 @@ from triggerflow.wire import (
     decode_events,
     decode_wakeup,
     encode_events,
+    encode_wakeup,
     event_size_bound,
     split_by_size,
     validate_payload,
@@ -71,6 +75,31 @@ def test_events_are_cut_into_messages_by_their_size_bound() -> None:
     assert split_by_size(ev, 2 * bound - 1) == [[e] for e in ev]
     assert split_by_size(ev[:1], 10) == [ev[:1]]  # one too big still goes, alone
     assert split_by_size([], 10) == [[]]
+
+
+def test_wire_bounds_hold_at_the_bound_and_reasons_name_what_broke() -> None:
+    ids = b'{"v": 2, "ids": [1]}'
+    at_bound = ids + b" " * (MAX_ID_MESSAGE_BYTES - len(ids))
+    assert decode_wakeup(at_bound) == [1]
+    with pytest.raises(WireError, match=rf"^oversized wake-up: {MAX_ID_MESSAGE_BYTES + 1} bytes, "):
+        decode_wakeup(at_bound + b" ")
+    assert len(decode_wakeup(encode_wakeup(list(range(MAX_IDS))))) == MAX_IDS
+    with pytest.raises(WireError, match=rf"^oversized wake-up: {MAX_IDS + 1} ids, over the "):
+        decode_wakeup(encode_wakeup(list(range(MAX_IDS + 1))))
+    for body, reason in ((b'{"v": 2, "ids": []}', "wake-up names no trigger"),
+                         (b'{"v": 3, "ids": [1]}', "unsupported schema version 3; accepted [1, 2]")):
+        with pytest.raises(WireError) as bad:
+            decode_wakeup(body)
+        assert str(bad.value) == reason
+    with pytest.raises(WireError, match=r"^undecodable wake-up: "):
+        decode_wakeup(b"junk")
+    with pytest.raises(WireError, match=r"^undecodable event batch: "):
+        decode_events(b"junk")
+    every_kind = [Event(i, 1, "q", kind, "1", 0.0) for i, kind in enumerate(sorted(EVENT_KINDS))]
+    assert decode_events(encode_events(every_kind)) == every_kind
+    with pytest.raises(WireError) as bad:
+        decode_events(encode_events([every_kind[0], Event(9, 1, "q", "bogus", "1", 0.0)]))
+    assert str(bad.value) == "undecodable event batch: unknown event kind 'bogus' - at `$.events[1]`"
 
 
 def test_a_bad_control_message_is_named_in_its_reason() -> None:
