@@ -64,6 +64,9 @@ def test_payload_validation_refuses_what_jsonb_would() -> None:
         validate_payload("x" * 30 + "\udcff" + "y" * 30, 1000)
     assert str(bad.value).endswith("surrogates not allowed at position 30 of "
                                    "'" + "x" * 20 + "\\udcff" + "y" * 20 + "'")
+    with pytest.raises(PayloadError) as bad:  # near the start: from the first character
+        validate_payload("x" * 5 + "\udcff", 1000)
+    assert str(bad.value).endswith("at position 5 of 'xxxxx\\udcff'")
 
 
 def test_events_are_cut_into_messages_by_their_size_bound() -> None:
