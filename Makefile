@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 STAMP_RUN := $(VENV)/.installed-run
 STAMP := $(VENV)/.installed
 
-.PHONY: venv services tools test check demo lint bench mutate
+.PHONY: venv services tools test check demo lint bench mutate mutate-py
 
 venv: $(STAMP)
 
@@ -54,3 +54,10 @@ bench: venv
 # CPU-heavy and long; not part of `make test`. The table goes to .tools/mutation-report.md.
 mutate: venv
 	nice $(BIN)/python -m tools.mutate_sql $(MUTATE_ARGS)
+
+# Python mutation testing (docs/testing.md): mutmut over the lease, probation, rebalance,
+# reaper, writer and wire modules ([tool.mutmut] in pyproject.toml), each mutant against the
+# in-process tests that reach it. Not part of `make test`; results are kept in mutants/ and
+# the survivors' diffs go to .tools/mutation-py-report.md.
+mutate-py: venv
+	nice $(BIN)/python -m tools.mutate_py $(MUTATE_PY_ARGS)

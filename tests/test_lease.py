@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import socket
 import time
 from typing import Any
 
 import pytest
 
+from triggerflow import __version__
 from triggerflow.lease import Lease, LeaseLost
-from triggerflow.store import ProcessKind, Renewal
+from triggerflow.store import ProcessKind, Renewal, StoreUnavailable
 
 
 class SlowStore:
@@ -50,3 +53,134 @@ async def test_a_slow_renewal_does_not_stretch_the_deadline_past_the_row() -> No
     store.expired = True
     with pytest.raises(LeaseLost, match="expired"):
         await lease.renew(0)
+
+
+class ScriptedStore:
+    """Answers renew from a script (a Renewal, None for "expired", or an error to raise) and
+    counts registrations, each with a new id."""
+
+    def __init__(self, *renewals: Renewal | Exception | None) -> None:
+        self.renewals = list(renewals)
+        self.registered = 0
+        self.renew_args: list[tuple[Any, ...]] = []
+        self.refuse_next_registration = False
+        self.unregistered: list[int] = []
+        self.register_args: list[tuple[Any, ...]] = []
+
+    async def register(self, *args: Any) -> int:
+        self.register_args.append(args)
+        if self.refuse_next_registration:
+            self.refuse_next_registration = False
+            raise StoreUnavailable("starting up")
+        self.registered += 1
+        if self.registered > 2:
+            raise RuntimeError("the third registration breaks")
+        return 40 + self.registered
+
+    async def unregister(self, me: int) -> None:
+        self.unregistered.append(me)
+
+    async def renew(self, *args: Any, subscribed: bool) -> Renewal | None:
+        self.renew_args.append((*args, subscribed))
+        answer = self.renewals.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+
+def scripted(*renewals: Renewal | Exception | None) -> tuple[ScriptedStore, Lease]:
+    store = ScriptedStore(*renewals)
+    lease = Lease(store, ProcessKind.WRITER, queues=["q"], ttl=2.0, renew_interval=0.5)  # type: ignore[arg-type]
+    return store, lease
+
+
+async def test_readiness_names_what_is_wrong_with_the_lease_and_the_store() -> None:
+    _, lease = scripted()
+    assert lease.problem() == "not registered"
+    assert lease.database_problem() == "no round-trip yet"
+    lease._stored(StoreUnavailable("connection refused"))
+    assert lease.problem() == "not registered (StoreUnavailable: connection refused)"
+    assert lease.database_problem() == "StoreUnavailable: connection refused"
+    await lease.register()
+    assert (lease.problem(), lease.database_problem()) == (None, None)
+    lease.renewed_at = lease.store_ok_at = time.monotonic() - 1.9  # within the 2 s TTL
+    assert (lease.problem(), lease.database_problem()) == (None, None)
+    lease.renewed_at = lease.store_ok_at = time.monotonic() - 2.5
+    assert lease.problem() == "not renewed for 2.5s (lease TTL 2s)"
+    assert lease.database_problem() == "no round-trip for 2.5s"
+
+
+async def test_a_writers_lease_is_kept_and_registered_anew_once_expired() -> None:
+    store, lease = scripted(Renewal(0, 0, 0), None, StoreUnavailable("down"))
+    assert await lease.register() == 41
+    lease.renewed_at = None
+    await lease.keep(subscribed=False)
+    assert (lease.me, lease.renewed_at is not None) == (41, True)
+    assert store.renew_args == [(41, 2.0, 0, ["q"], False)]
+    await lease.keep(subscribed=True)  # expired in the store: a new row
+    assert (lease.me, store.registered, lease.problem()) == (42, 2, None)
+    with pytest.raises(StoreUnavailable):
+        await lease.keep(subscribed=True)
+    assert lease.database_problem() == "StoreUnavailable: down"
+    store.renewals.append(None)  # expired again, and registering anew fails: not registered
+    with pytest.raises(RuntimeError):
+        await lease.keep(subscribed=True)
+    assert lease.problem() == "not registered"
+
+
+async def test_a_renewal_that_fails_once_keeps_the_lease_and_an_expired_one_loses_it() -> None:
+    store, lease = scripted(StoreUnavailable("blip"), Renewal(1, 2, 3), None)
+    await lease.register()
+    with pytest.raises(StoreUnavailable):
+        await lease.renew(5, subscribed=False)
+    assert (lease.problem(), lease.database_problem()) == (None, "StoreUnavailable: blip")
+    assert await lease.renew(5) == Renewal(1, 2, 3)
+    assert store.renew_args[-1] == (41, 2.0, 5, ["q"], True)
+    assert (lease.problem(), lease.database_problem()) == (None, None)
+    with pytest.raises(LeaseLost, match=r"^lease had expired in the database$"):
+        await lease.renew(5)
+    assert lease.problem() == "not registered"
+
+
+async def test_an_overdue_renewal_is_lost_without_asking_the_store() -> None:
+    store, lease = scripted(Renewal(0, 0, 0))
+    await lease.register()
+    lease.deadline = asyncio.get_running_loop().time()
+    with pytest.raises(LeaseLost, match=r"^renewal overdue \(loop stalled or database unreachable\)$"):
+        await lease.renew(0)
+    assert (store.renew_args, lease.problem()) == ([], "not registered")
+    assert not lease.valid()
+
+
+async def test_a_renewal_with_half_a_second_left_is_still_sent() -> None:
+    _, lease = scripted(Renewal(0, 0, 0))
+    await lease.register()
+    lease.deadline = asyncio.get_running_loop().time() + 0.5
+    assert await lease.renew(0) == Renewal(0, 0, 0)
+
+
+async def test_a_renewal_answered_after_the_deadline_loses_the_lease() -> None:
+    lease = Lease(SlowStore(5.0), ProcessKind.CONSUMER, ttl=2.0, renew_interval=0.5)  # type: ignore[arg-type]
+    lease.renewed_at = time.monotonic()
+    lease.deadline = asyncio.get_running_loop().time() + 0.1
+    with pytest.raises(LeaseLost, match=r"^renewal timed out$"):
+        await lease.renew(0)
+    assert lease.problem() == "not registered (TimeoutError: renewal timed out)"
+    assert lease.database_problem() == "TimeoutError: renewal timed out"
+
+
+async def test_registration_is_retried_while_the_store_is_down_and_leave_names_the_row() -> None:
+    store, lease = scripted()
+    store.refuse_next_registration = True
+    registering = asyncio.create_task(lease.register())
+    async with asyncio.timeout(10):
+        while not store.register_args:  # noqa: ASYNC110 - polls the scripted store
+            await asyncio.sleep(0.01)
+    # Waiting to retry (at least 0.5 s): readiness names the failure meanwhile.
+    assert lease.problem() == "not registered (StoreUnavailable: starting up)"
+    assert await registering == 41
+    assert (lease.problem(), lease.database_problem()) == (None, None)
+    row = (ProcessKind.WRITER, socket.gethostname(), os.getpid(), ["q"], 0, __version__, 2.0)
+    assert store.register_args == [row, row]
+    await lease.leave()
+    assert store.unregistered == [41]

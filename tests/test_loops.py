@@ -469,6 +469,9 @@ def test_rebalance_sheds_only_real_excess() -> None:
     assert excess(mine=70, live_peers=2, peers_running=80, max_shed=1000) == 26
     assert excess(mine=20, live_peers=2, peers_running=20, max_shed=1000) == 0  # < 20 over
     assert excess(mine=1000, live_peers=2, peers_running=1000, max_shed=100) == 100
+    # The bounds themselves: exactly 125% of the share sheds nothing, exactly 20 over sheds.
+    assert excess(mine=500, live_peers=2, peers_running=800, max_shed=1000) == 0
+    assert excess(mine=26, live_peers=2, peers_running=10, max_shed=1000) == 20
 
 
 # ----------------------------------------------------------------------------- cancellation

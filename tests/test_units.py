@@ -21,12 +21,20 @@ from triggerflow.store import KwargsError, KwargsProblem, TriggerSpec
 from triggerflow.triggers import DateTimeTrigger, TimeDeltaTrigger
 from triggerflow.triggers.base import BaseTrigger, TimerTrigger, TriggerEvent
 from triggerflow.wire import (
+    EVENT_KINDS,
+    EVENT_OVERHEAD,
+    MAX_ID_MESSAGE_BYTES,
+    MAX_IDS,
     Event,
     PayloadError,
     WireError,
+    decode_control,
     decode_events,
     decode_wakeup,
     encode_events,
+    encode_wakeup,
+    event_size_bound,
+    split_by_size,
     validate_payload,
 )
 
@@ -48,6 +56,58 @@ def test_payload_validation_refuses_what_jsonb_would() -> None:
         validate_payload("x" * 2000, 1000)
     with pytest.raises(PayloadError, match="serializable"):
         validate_payload(object(), 1000)
+    assert validate_payload("ab", 4) == '"ab"'  # exactly at the cap
+    with pytest.raises(PayloadError, match=r"^event payload contains a NUL character, which jsonb"):
+        validate_payload("a\x00b", 1000)
+    # The reason shows 20 characters either side of the bad one.
+    with pytest.raises(PayloadError) as bad:
+        validate_payload("x" * 30 + "\udcff" + "y" * 30, 1000)
+    assert str(bad.value).endswith("surrogates not allowed at position 30 of "
+                                   "'" + "x" * 20 + "\\udcff" + "y" * 20 + "'")
+    with pytest.raises(PayloadError) as bad:  # near the start: from the first character
+        validate_payload("x" * 5 + "\udcff", 1000)
+    assert str(bad.value).endswith("at position 5 of 'xxxxx\\udcff'")
+
+
+def test_events_are_cut_into_messages_by_their_size_bound() -> None:
+    ev = [Event(i, 1, "q1", "resume", "ab", 0.0, "tp") for i in range(4)]
+    assert [event_size_bound(e) for e in (ev[0], Event(1, 1, "q1", "resume", "ab", 0.0))] == [
+        EVENT_OVERHEAD + 4 * 2 + 2 + 2, EVENT_OVERHEAD + 4 * 2 + 2]
+    bound = event_size_bound(ev[0])
+    assert split_by_size(ev, 2 * bound) == [ev[:2], ev[2:]]  # two fit exactly
+    assert split_by_size(ev, 2 * bound - 1) == [[e] for e in ev]
+    assert split_by_size(ev[:1], 10) == [ev[:1]]  # one too big still goes, alone
+    assert split_by_size([], 10) == [[]]
+
+
+def test_wire_bounds_hold_at_the_bound_and_reasons_name_what_broke() -> None:
+    ids = b'{"v": 2, "ids": [1]}'
+    at_bound = ids + b" " * (MAX_ID_MESSAGE_BYTES - len(ids))
+    assert decode_wakeup(at_bound) == [1]
+    with pytest.raises(WireError, match=rf"^oversized wake-up: {MAX_ID_MESSAGE_BYTES + 1} bytes, "):
+        decode_wakeup(at_bound + b" ")
+    assert len(decode_wakeup(encode_wakeup(list(range(MAX_IDS))))) == MAX_IDS
+    with pytest.raises(WireError, match=rf"^oversized wake-up: {MAX_IDS + 1} ids, over the "):
+        decode_wakeup(encode_wakeup(list(range(MAX_IDS + 1))))
+    for body, reason in ((b'{"v": 2, "ids": []}', "wake-up names no trigger"),
+                         (b'{"v": 3, "ids": [1]}', "unsupported schema version 3; accepted [1, 2]")):
+        with pytest.raises(WireError) as bad:
+            decode_wakeup(body)
+        assert str(bad.value) == reason
+    with pytest.raises(WireError, match=r"^undecodable wake-up: "):
+        decode_wakeup(b"junk")
+    with pytest.raises(WireError, match=r"^undecodable event batch: "):
+        decode_events(b"junk")
+    every_kind = [Event(i, 1, "q", kind, "1", 0.0) for i, kind in enumerate(sorted(EVENT_KINDS))]
+    assert decode_events(encode_events(every_kind)) == every_kind
+    with pytest.raises(WireError) as bad:
+        decode_events(encode_events([every_kind[0], Event(9, 1, "q", "bogus", "1", 0.0)]))
+    assert str(bad.value) == "undecodable event batch: unknown event kind 'bogus' - at `$.events[1]`"
+
+
+def test_a_bad_control_message_is_named_in_its_reason() -> None:
+    with pytest.raises(WireError, match=r"^undecodable control message: "):
+        decode_control(b"junk")
 
 
 @pytest.mark.parametrize(("classpath", "ok"), [

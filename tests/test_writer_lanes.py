@@ -7,8 +7,8 @@ from __future__ import annotations
 from typing import Any, cast
 
 from triggerflow.transport import Delivery
-from triggerflow.wire import Event
-from triggerflow.writer_lanes import Lanes, Received, new_work, resolve
+from triggerflow.wire import Event, encode_events
+from triggerflow.writer_lanes import Lanes, Received, decode, new_work, resolve
 
 
 def message(queue: str, *ids: int) -> Received:
@@ -90,3 +90,20 @@ def test_a_big_message_is_several_turns_of_at_most_max_events() -> None:
     assert [(w.queue, ids(w)) for w in turns if w] == [
         ("a", [0, 1, 2]), ("b", [100]), ("a", [3, 4, 5]), ("a", [6])]
     assert [resolve(w) for w in turns if w and w.queue == "a"] == [[], [], [big]]
+
+
+class Delivered:
+    def __init__(self, body: bytes) -> None:
+        self.body, self.routing_key, self.user_id = body, "a", None
+
+
+def test_a_message_over_the_cap_is_refused_unread_and_junk_is_refused_with_its_reason() -> None:
+    body = encode_events([Event(1, 1, "a", "resume", "1", 0.0)])
+    fits = decode(cast(Delivery, Delivered(body)), len(body), {})
+    assert (fits.events[0].trigger_id, fits.reject) == (1, None)
+    big = Delivered(body)
+    over = decode(cast(Delivery, big), len(body) - 1, {})
+    assert (over.message, over.events) == (big, [])
+    assert over.reject == f"event message of {len(body)} bytes, over the {len(body) - 1}-byte cap; not parsed"
+    junk = decode(cast(Delivery, Delivered(b"junk")), 100, {})
+    assert junk.events == [] and (junk.reject or "").startswith("undecodable event batch: ")
