@@ -14,6 +14,8 @@ from triggerflow import __version__
 from triggerflow.lease import Lease, LeaseLost
 from triggerflow.store import ProcessKind, Renewal, StoreUnavailable
 
+DB_NOW = time.time()  # the database's clock in scripted renewals (equal across compares)
+
 
 class SlowStore:
     """Answers register and renew after ``delay`` seconds, as a loaded database would."""
@@ -28,7 +30,7 @@ class SlowStore:
 
     async def renew(self, *args: Any, **kwargs: Any) -> Renewal | None:
         await asyncio.sleep(self.delay)
-        return None if self.expired else Renewal(0, 0, 0, time.time())
+        return None if self.expired else Renewal(0, 0, 0, DB_NOW)
 
 
 @pytest.mark.parametrize(("ttl", "interval"), [(2.0, 0.5), (10.0, 1.0), (30.0, 10.0), (1.0, 0.2)])
@@ -80,7 +82,7 @@ class ScriptedStore:
     async def unregister(self, me: int) -> None:
         self.unregistered.append(me)
 
-    async def renew(self, *args: Any, subscribed: bool) -> Renewal | None:
+    async def renew(self, *args: Any, subscribed: bool, clock_skew: float | None = None) -> Renewal | None:
         self.renew_args.append((*args, subscribed))
         answer = self.renewals.pop(0)
         if isinstance(answer, Exception):
@@ -111,7 +113,7 @@ async def test_readiness_names_what_is_wrong_with_the_lease_and_the_store() -> N
 
 
 async def test_a_writers_lease_is_kept_and_registered_anew_once_expired() -> None:
-    store, lease = scripted(Renewal(0, 0, 0), None, StoreUnavailable("down"))
+    store, lease = scripted(Renewal(0, 0, 0, DB_NOW), None, StoreUnavailable("down"))
     assert await lease.register() == 41
     lease.renewed_at = None
     await lease.keep(subscribed=False)
@@ -129,12 +131,12 @@ async def test_a_writers_lease_is_kept_and_registered_anew_once_expired() -> Non
 
 
 async def test_a_renewal_that_fails_once_keeps_the_lease_and_an_expired_one_loses_it() -> None:
-    store, lease = scripted(StoreUnavailable("blip"), Renewal(1, 2, 3), None)
+    store, lease = scripted(StoreUnavailable("blip"), Renewal(1, 2, 3, DB_NOW), None)
     await lease.register()
     with pytest.raises(StoreUnavailable):
         await lease.renew(5, subscribed=False)
     assert (lease.problem(), lease.database_problem()) == (None, "StoreUnavailable: blip")
-    assert await lease.renew(5) == Renewal(1, 2, 3)
+    assert await lease.renew(5) == Renewal(1, 2, 3, DB_NOW)
     assert store.renew_args[-1] == (41, 2.0, 5, ["q"], True)
     assert (lease.problem(), lease.database_problem()) == (None, None)
     with pytest.raises(LeaseLost, match=r"^lease had expired in the database$"):
@@ -143,7 +145,7 @@ async def test_a_renewal_that_fails_once_keeps_the_lease_and_an_expired_one_lose
 
 
 async def test_an_overdue_renewal_is_lost_without_asking_the_store() -> None:
-    store, lease = scripted(Renewal(0, 0, 0))
+    store, lease = scripted(Renewal(0, 0, 0, DB_NOW))
     await lease.register()
     lease.deadline = asyncio.get_running_loop().time()
     with pytest.raises(LeaseLost, match=r"^renewal overdue \(loop stalled or database unreachable\)$"):
@@ -153,10 +155,10 @@ async def test_an_overdue_renewal_is_lost_without_asking_the_store() -> None:
 
 
 async def test_a_renewal_with_half_a_second_left_is_still_sent() -> None:
-    _, lease = scripted(Renewal(0, 0, 0))
+    _, lease = scripted(Renewal(0, 0, 0, DB_NOW))
     await lease.register()
     lease.deadline = asyncio.get_running_loop().time() + 0.5
-    assert await lease.renew(0) == Renewal(0, 0, 0)
+    assert await lease.renew(0) == Renewal(0, 0, 0, DB_NOW)
 
 
 async def test_a_renewal_answered_after_the_deadline_loses_the_lease() -> None:
