@@ -13,7 +13,6 @@ from triggerflow.airflow.schema import SCHEMA
 from triggerflow.store.postgres.statements import HELD_TAIL
 
 
-
 def _fail_quarantined(rows: str) -> str:
     """Fail the tasks of the rows of CTE ``rows`` quarantined just now (``trigger_id``,
     ``quarantined``, ``last_error``), the way Airflow fails a trigger
