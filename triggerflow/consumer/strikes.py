@@ -23,6 +23,7 @@ reaper counted the loss of our lease against it, and the peer is blocked and str
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Coroutine, Sequence
@@ -44,7 +45,8 @@ log = logging.getLogger(__name__)
 class Strikes:
     """Stops triggers that overran ``block_limit`` and charges each a strike in the store.
 
-    ``spawn`` runs a coroutine in the consumer's background; ``republish`` sends wake-ups.
+    ``spawn`` runs a coroutine in the consumer's background (at once: a task created now
+    starts before the loops a block held up); ``republish`` sends wake-ups.
     """
 
     def __init__(self, settings: Settings, store: Store, lease: Lease, runner: TriggerRunner,
@@ -54,6 +56,7 @@ class Strikes:
         self.lease = lease
         self.runner = runner
         self.probation = probation
+        self.claim_lock = probation.claim_lock  # the consumer's, held by every claim and take
         self.spawn = spawn
         self.republish = republish
         self.limit = settings.block_limit.total_seconds()
@@ -75,15 +78,25 @@ class Strikes:
         self.spawn(self._strike(self.lease.me, held, blocked))
 
     async def _strike(self, me: int, held: Held, blocked: float) -> None:
-        """Record the strike, retrying a lost store: until then the row stays ours, unrun."""
+        """Record the strike, retrying a lost store: until then the row stays ours, unrun.
+
+        The first try holds the claim lock, taken before any other loop of ours resumes (this
+        task was created first): past the lease our own reaper frees our expired row as soon
+        as the loop runs, and probation or a claim would then run the trigger again at a new
+        attempt before the strike landed, with no failure counted (a lone consumer has no
+        witness). Retries go without it: shutdown waits for that lock.
+        """
+        lock: asyncio.Lock | None = self.claim_lock
         while True:
             try:
-                struck = await self.store.strike(me, held.id, held.attempt, blocked,
-                                                 self.max_failures)
+                async with lock or contextlib.nullcontext():
+                    struck = await self.store.strike(me, held.id, held.attempt, blocked,
+                                                     self.max_failures)
                 break
             except StoreError as exc:
                 log.warning("recording a strike failed (%r); retrying", exc,
                             extra=held.log_context())
+                lock = None
                 await asyncio.sleep(1)
         if struck is None:
             log.info("strike not recorded: trigger %s moved on since attempt %s", held.id,
