@@ -2,7 +2,8 @@
 it overruns ``block_limit``, and quarantined at ``max_failures`` strikes like a trigger that
 kills its consumers; the innocent triggers on the same consumer keep firing. On the real
 services, with a block shorter than the lease and one that outlasts it (the consumer is
-fenced when the loop resumes, and records the strike all the same)."""
+fenced when the loop resumes, and records the strike all the same); and in one process, on
+the in-memory store and broker, that the stopped trigger's own event is never sent."""
 
 from __future__ import annotations
 
@@ -11,12 +12,17 @@ from datetime import timedelta
 import pytest
 
 from tests.conftest import Processes, wait_until
+from tests.test_loops import QUEUE, fast_settings, running, until
 from tests.test_ops import consumer_id, free_port, key, scrape_when_up, total
+from tests.test_stuck import _sent
 from tests.triggers import BlocksLoop, EventAfter
+from triggerflow.consumer import Consumer
+from triggerflow.model import TaskKey
 from triggerflow.sdk import TriggerflowClient
 from triggerflow.settings import Settings
 from triggerflow.store.postgres import Database
 from triggerflow.store.postgres.admin import QUARANTINED
+from triggerflow.testing import InMemory
 from triggerflow.triggers import TimeDeltaTrigger
 
 STRIKES = 3  # max_failures here; 30 by default
@@ -75,3 +81,26 @@ async def test_a_trigger_that_blocks_the_loop_is_quarantined_after_max_failures_
     [listed] = await db.fetch(QUARANTINED)  # what `triggerflow status` lists
     assert listed["id"] == blocker and "blocked the event loop" in listed["last_error"]
     assert consumer.poll() is None
+
+
+async def test_the_stopped_blocker_sends_no_event_and_its_neighbours_do() -> None:
+    """The stop runs as the loop resumes, before the blocker's own completion: the event it
+    yielded right after its block is never published, its task ends quarantined."""
+    mem = InMemory()
+    mem.broker.declare(QUEUE)
+    s = fast_settings(block_limit=0.3, max_failures=2, lease_ttl=5.0)
+    consumer = Consumer(s, mem.store, mem.transport())
+    async with running(consumer), mem.client(s) as client:
+        timer = await client.defer(TaskKey("d", "timer", "r"),
+                                   TimeDeltaTrigger(timedelta(seconds=0.5)), queue=QUEUE)
+        blocker = await client.defer(TaskKey("d", "blocker", "r"),
+                                     BlocksLoop(delay=0.05, seconds=0.5), queue=QUEUE)
+        await until(lambda: mem.store.triggers[blocker].quarantined)
+        events: list[tuple[int, str]] = []
+        await until(lambda: _sent(consumer, events) >= 1)
+    assert [trigger_id for trigger_id, _ in events] == [timer]
+    assert mem.store.triggers[blocker].failures == 2
+    task = mem.store.task(TaskKey("d", "blocker", "r"))
+    assert task.next_method == "__fail__"
+    assert f"({BLOCKER}) was quarantined after it blocked the event loop for 0." in \
+        task.next_kwargs["message"]
