@@ -29,7 +29,7 @@ STRIKES = 3  # max_failures here; 30 by default
 BLOCKER = "tests.triggers.BlocksLoop"
 
 
-@pytest.mark.parametrize("seconds", [0.8, 3.0], ids=["within-the-lease", "past-the-lease"])
+@pytest.mark.parametrize("seconds", [0.8, 2.5], ids=["within-the-lease", "past-the-lease"])
 async def test_a_trigger_that_blocks_the_loop_is_quarantined_after_max_failures_strikes(
     client: TriggerflowClient, db: Database, procs: Processes, teams: list[str],
     settings: Settings, seconds: float,
