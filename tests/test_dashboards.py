@@ -302,6 +302,16 @@ ALERT_CASES: dict[str, dict[str, Any]] = {
         "quiet": ({'triggerflow_lease_lost_total{instance="c2"}': "0 0 1 1 1",
                    'triggerflow_triggers_running{instance="c2",queue="team-ml"}': "5x4"}, "4m"),
     },
+    "TriggerflowClockSkew": {
+        "fire": [({'triggerflow_clock_skew_seconds{instance="c1"}': "0 300x4",
+                   'triggerflow_triggers_running{instance="c1",queue="team-ml"}': "0x4",
+                   'triggerflow_clock_skew_seconds{instance="c2"}': "-0.2x4",
+                   'triggerflow_triggers_running{instance="c2",queue="team-ml"}': "5x4"},
+                  "4m", [{"instance": "c1", "queue": "team-ml"}])],
+        "quiet": ({'triggerflow_clock_skew_seconds{instance="c1"}': "0 0.5 -0.8 0.9 0.3",
+                   'triggerflow_triggers_running{instance="c1",queue="team-ml"}': "5x4"},
+                  "4m"),
+    },
     "TriggerflowWriterLag": {
         "fire": [
             ({'triggerflow_queue_depth{queue="ns.events",instance="w"}': "0 500x8"},

@@ -62,10 +62,10 @@ async def test_working_consumer_and_writer_are_ready_and_live(
     await writer_up(db, writer)
     cid = await consumer_id(db, consumer)
 
-    for port in (wport, cport):
+    checks = {"loop": "ok", "lease": "ok", "database": "ok", "broker": "ok"}
+    for port, own in ((wport, {}), (cport, {"clock": "ok"})):  # a consumer checks its clock
         ready = await probe_until(port, "/readyz", 200)
-        assert ready == {"status": "ok", "checks": {
-            "loop": "ok", "lease": "ok", "database": "ok", "broker": "ok"}}, ready
+        assert ready == {"status": "ok", "checks": {**checks, **own}}, ready
         assert await probe(port, "/livez") == (200, {"status": "ok", "checks": {"loop": "ok"}})
         metrics = await scrape_when_up(port)  # /metrics still served on the same port
         assert any(name.startswith("triggerflow_") for name in metrics)
@@ -77,7 +77,7 @@ async def test_working_consumer_and_writer_are_ready_and_live(
     ok = await cli(settings, "health", metrics_port=cport,
                    database_url="postgresql://nobody@127.0.0.1:1/none")
     assert ok.returncode == 0, ok.stdout + ok.stderr
-    assert ok.stdout.strip() == "ok: broker ok, database ok, lease ok, loop ok"
+    assert ok.stdout.strip() == "ok: broker ok, clock ok, database ok, lease ok, loop ok"
     live = await cli(settings, "health", "--live", metrics_port=cport)
     assert (live.returncode, live.stdout.strip()) == (0, "ok: loop ok")
 

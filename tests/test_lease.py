@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import pytest
@@ -24,7 +25,7 @@ class SlowStore:
 
     async def renew(self, *args: Any, **kwargs: Any) -> Renewal | None:
         await asyncio.sleep(self.delay)
-        return None if self.expired else Renewal(0, 0, 0)
+        return None if self.expired else Renewal(0, 0, 0, time.time())
 
 
 @pytest.mark.parametrize(("ttl", "interval"), [(2.0, 0.5), (10.0, 1.0), (30.0, 10.0), (1.0, 0.2)])

@@ -12,12 +12,13 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from tenacity import wait_exponential_jitter
 
 from triggerflow import __version__
 from triggerflow.refusals import Refusals
+from triggerflow.skew import ClockCheck
 from triggerflow.store import ProcessKind, Renewal, Store, StoreAccessRefused, StoreError
 
 log = logging.getLogger(__name__)
@@ -32,10 +33,14 @@ class Lease:
 
     Also what readiness reads of it (:meth:`problem`, :meth:`database_problem`): when it was
     last renewed and how the last round-trip to the store went, on the monotonic clock.
+    Each :meth:`renew` measures ``clock`` (the wall clock triggers are timed on) against the
+    database's into :attr:`clock_check`, whose bound is ``max_clock_skew`` seconds.
     """
 
     def __init__(self, store: Store, kind: ProcessKind, *, queues: Sequence[str] = (),
-                 capacity: int = 0, ttl: float, renew_interval: float) -> None:
+                 capacity: int = 0, ttl: float, renew_interval: float,
+                 max_clock_skew: float = float("inf"),
+                 clock: Callable[[], float] = time.time) -> None:
         self.store = store
         self.kind = kind
         self.queues = list(queues)
@@ -49,6 +54,8 @@ class Lease:
         self.store_ok_at: float | None = None  # monotonic time of the last store round-trip
         self.store_error: str | None = None  # why the last round-trip failed, if it did
         self.refusals = Refusals("the database", StoreAccessRefused, log)
+        self.clock = clock
+        self.clock_check = ClockCheck(max_clock_skew)
 
     def _stored(self, error: BaseException | None) -> None:
         """Record a round-trip to the store (None: it went through)."""
@@ -117,7 +124,7 @@ class Lease:
         # The row's new expiry is the database's now() + ttl, and that now() is no earlier
         # than this moment: counting the budget from here, not from the answer, keeps a slow
         # renewal from stretching our deadline past the row's.
-        sent = loop.time()
+        sent, sent_wall = loop.time(), self.clock()
         remaining = self.deadline - sent
         if remaining <= 0:
             self.renewed_at = None
@@ -127,7 +134,8 @@ class Lease:
             # arrives as the inner call completes, and the loop then never stops.
             async with asyncio.timeout(remaining):
                 result = await self.store.renew(self.me, self.ttl, running, self.queues,
-                                                subscribed=subscribed)
+                                                subscribed=subscribed,
+                                                clock_skew=self.clock_check.skew)
         except TimeoutError:
             self._stored(TimeoutError("renewal timed out"))
             self.renewed_at = None
@@ -139,6 +147,7 @@ class Lease:
         if result is None:
             self.renewed_at = None
             raise LeaseLost("lease had expired in the database")
+        self.clock_check.measure(sent_wall, loop.time() - sent, result.db_time)
         self.renewed_at = time.monotonic()
         self.deadline = sent + self.budget
         return result

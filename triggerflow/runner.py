@@ -120,10 +120,13 @@ def _is_heap_timer(trigger: BaseTrigger) -> bool:
 
 
 class TriggerRunner:
-    """Starts, times out, cancels and finishes triggers; reports outcomes through ``emit``."""
+    """Starts, times out, cancels and finishes triggers; reports outcomes through ``emit``.
+    Deadlines and timeouts are read on ``clock`` (the wall clock the lease checks)."""
 
-    def __init__(self, emit: EmitFn, emit_many: EmitManyFn | None = None) -> None:
+    def __init__(self, emit: EmitFn, emit_many: EmitManyFn | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
         self._emit = emit
+        self._clock = clock
         self._emit_many = emit_many
         self.running: dict[int, Held] = {}
         self._heap: list[tuple[float, int, int]] = []  # (when, trigger id, attempt)
@@ -189,12 +192,12 @@ class TriggerRunner:
             self._wakeup_at = float("inf")
             return
         self._wakeup_at = self._heap[0][0]
-        delay = max(0.0, self._wakeup_at - time.time())
+        delay = max(0.0, self._wakeup_at - self._clock())
         self._wakeup = asyncio.get_running_loop().call_later(delay, self._on_timer)
 
     def _on_timer(self) -> None:
         self._wakeup = None
-        now = time.time()
+        now = self._clock()
         budget = _FIRE_SLICE
         # Fired timers grouped by (class, deadline): a burst is mostly one group, whose event
         # is built, validated and stamped once (per timer, that was ~3 us of a ~5 us fire).

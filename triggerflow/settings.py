@@ -230,6 +230,11 @@ class Settings(BaseModel):
     max_deferral: Duration = Field(
         seconds(7 * 86400.0), gt=ZERO, description="Longest any task may stay deferred (seconds)."
     )
+    max_clock_skew: Duration = Field(
+        seconds(2.0), gt=ZERO,
+        description="Seconds a consumer's clock may differ from the database's (measured at "
+        "each lease renewal); past it the consumer runs no trigger until its clock is back.",
+    )
 
     # -- security -----------------------------------------------------------------------
     kwargs_key: SecretStr | None = Field(

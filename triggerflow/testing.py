@@ -7,6 +7,9 @@
 
 The loops are the real ones; only the store and the transport are fakes (see
 ``triggerflow.store.memory`` and ``triggerflow.transport.memory`` for what they mirror).
+A consumer checks its clock against the store's at each renewal and runs nothing while they
+differ by more than ``max_clock_skew``: with ``InMemory.with_clock(clock)``, give the
+consumer the same clock (``Consumer(settings, mem.store, mem.transport(), clock=clock)``).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 SCHEMA = "triggerflow"
 NOTIFY_CHANNEL = "triggerflow_airflow_trigger"
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 # Airflow release -> head of its alembic migrations (``alembic_version.version_num``).
 # The SQL in this package was checked against these; anything else is refused.
@@ -47,10 +47,13 @@ CREATE TABLE IF NOT EXISTS {SCHEMA}.consumer (
     expires_at timestamptz NOT NULL,
     -- subscribed on the broker as of its last renewal: only then is it counted as capacity
     -- (registrations write false; true is for rows of processes older than the column)
-    subscribed boolean NOT NULL DEFAULT true
+    subscribed boolean NOT NULL DEFAULT true,
+    -- its clock minus the database's, seconds, as it last measured (NULL: not yet)
+    clock_skew double precision
 );
--- schema version 2: a schema set up at version 1 gains the column in place
+-- schema versions 2 and 3: a schema set up earlier gains the columns in place
 ALTER TABLE {SCHEMA}.consumer ADD COLUMN IF NOT EXISTS subscribed boolean NOT NULL DEFAULT true;
+ALTER TABLE {SCHEMA}.consumer ADD COLUMN IF NOT EXISTS clock_skew double precision;
 
 -- Bookkeeping per Airflow trigger row (keyed by Airflow's trigger.id, no foreign key: a
 -- foreign key would put triggers of ours on Airflow's table; orphans are reaped instead).

@@ -37,9 +37,11 @@ RETURNING id
 
 RENEW = f"""
 UPDATE {SCHEMA}.consumer SET renewed_at = now(),
-       expires_at = now() + make_interval(secs => $2), running = $3, subscribed = $5
+       expires_at = now() + make_interval(secs => $2), running = $3, subscribed = $5,
+       clock_skew = $6  -- as native mode's RENEW
 WHERE id = $1 AND expires_at > now()
 RETURNING
+    extract(epoch FROM clock_timestamp())::float8 AS db_time,
     (SELECT count(*) FROM {SCHEMA}.consumer c
      WHERE c.expires_at <= now() AND (c.queues && $4::text[] OR cardinality($4::text[]) = 0))
         AS dead_peers,

@@ -137,12 +137,14 @@ class AirflowStore:
         return int(rows[0]["id"])
 
     async def renew(self, me: int, ttl: float, running: int, queues: Sequence[str], *,
-                    subscribed: bool = True) -> Renewal | None:
-        rows = await self._fetch(sql.RENEW, me, ttl, running, list(queues), subscribed)
+                    subscribed: bool = True, clock_skew: float | None = None) -> Renewal | None:
+        rows = await self._fetch(sql.RENEW, me, ttl, running, list(queues), subscribed,
+                                 clock_skew)
         if not rows:
             return None
         row = rows[0]
-        return Renewal(row["dead_peers"], row["live_peers"], row["peers_running"])
+        return Renewal(row["dead_peers"], row["live_peers"], row["peers_running"],
+                       row["db_time"])
 
     async def unregister(self, me: int) -> None:
         await self._execute(sql.UNREGISTER, me)

@@ -35,7 +35,8 @@ CONSUMER = ("queues", "capacity", "allowed_modules", "lease_ttl", "renew_interva
             "max_failures", "blocked_threshold", "block_limit", "subscription_check_interval",
             "event_batch", "event_linger", "max_event_bytes", "max_event_message_bytes",
             "reaper_interval", "cancel_sweep_interval", "reconcile_after", "unclaimed_grace",
-            "max_deferral", "kwargs_key", "kwargs_keys", "airflow", "default_queue")
+            "max_deferral", "max_clock_skew", "kwargs_key", "kwargs_keys", "airflow",
+            "default_queue")
 # The writer runs a reaper too (max_failures), and its store carries the kwargs codec.
 WRITER = ("writer_batch", "writer_prefetch", "writer_concurrency", "writer_lock_timeout",
           "max_event_message_bytes", "team_users", "lease_ttl", "renew_interval",

@@ -41,12 +41,14 @@ def _render_status(report: dict[str, Any]) -> None:
     console.print(t)
     c = Table(title="Processes")
     for col in ("id", "kind", "host", "pid", "queues", "running", "capacity", "last renewal",
-                "alive"):
+                "clock skew", "alive"):
         c.add_column(col, no_wrap=col != "queues")
     for p in report["consumers"]:
+        skew = "-" if p["clock_skew"] is None else f"{p['clock_skew']:+.3f}s"
         c.add_row(str(p["id"]), p["kind"], p["host"], str(p["pid"]), ",".join(p["queues"]),
                   str(p["running"]), str(p["capacity"]),
-                  p["renewed_at"].strftime("%H:%M:%S.%f")[:-3], "yes" if p["alive"] else "NO")
+                  p["renewed_at"].strftime("%H:%M:%S.%f")[:-3], skew,
+                  "yes" if p["alive"] else "NO")
     console.print(c)
     _render_writers(console, report)
     if report["quarantined"]:
@@ -166,7 +168,7 @@ def register(main: click.Group) -> None:
     connection = CONNECTION
 
     @main.command()
-    @settings_options(*connection, "queues", "management_url", "lease_ttl")
+    @settings_options(*connection, "queues", "management_url", "lease_ttl", "max_clock_skew")
     @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
     @click.option("--ids", "ids_in", type=click.Choice(ID_STATES), default=None,
                   help="Only list the ids of triggers in this state (of the --queue queues, "
@@ -180,7 +182,8 @@ def register(main: click.Group) -> None:
         triggers, or one named by --queue, with no live consumer; no live writer; a live
         consumer well below capacity that is not subscribed on the broker; dead letters;
         triggers held by dead owners; quarantined triggers; deferred tasks past their
-        timeout; an unreachable broker or management API."""
+        timeout; a live consumer whose clock is off the database's by more than
+        --max-clock-skew (it runs nothing); an unreachable broker or management API."""
         from triggerflow.cli.status_report import collect_status, trigger_ids
         from triggerflow.redact import Redactor
 

@@ -78,8 +78,15 @@ async def collect_status(settings: Settings) -> dict[str, Any]:
     problems += writer_problems(writers, events)
     if dead["depth"]:
         problems.append(f"{dead['depth']} dead-lettered message(s) in {dead['queue']}")
-    unsubscribed = not_subscribed(consumers, subscribed, broker_info,
-                                  settings.lease_ttl.total_seconds())
+    bound = settings.max_clock_skew.total_seconds()
+    skewed = [c for c in consumers if c["alive"] and c["kind"] == "consumer"
+              and abs(c["clock_skew"] or 0.0) > bound]
+    problems += [f"consumer {c['id']} on {c['host']} (pid {c['pid']}): clock "
+                 f"{c['clock_skew']:+.1f}s off the database's (max_clock_skew {bound:g}s); "
+                 "it runs no trigger until its clock is fixed" for c in skewed]
+    # a skewed consumer unsubscribes on purpose: named above, not as unsubscribed
+    unsubscribed = not_subscribed([c for c in consumers if c not in skewed], subscribed,
+                                  broker_info, settings.lease_ttl.total_seconds())
     problems += [u["problem"] for u in unsubscribed]
     if quarantined:
         problems.append(f"{len(quarantined)} quarantined trigger(s)")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from typing import Any, TypeVar
@@ -57,12 +58,14 @@ class Consumer:
 
     Keyword settings that matter most: ``capacity`` (max triggers held), ``lease_ttl`` and
     ``renew_interval`` (failover time), ``claim_batch`` (ids per claim statement),
-    ``prefetch`` (wake-up messages in flight), ``allowed_modules``.
+    ``prefetch`` (wake-up messages in flight), ``allowed_modules``, ``max_clock_skew``.
+    ``clock`` is the wall clock timers and timeouts are read on (tests shift it).
     Raises ValueError when ``settings.queues`` is empty.
     """
 
     def __init__(self, settings: Settings, store: Store, transport: Transport, *,
-                 loader: Loader | None = None, encode: EncodeFn | None = None) -> None:
+                 loader: Loader | None = None, encode: EncodeFn | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
         if not settings.queues:
             raise ValueError("a consumer needs at least one queue")
         self.settings = settings
@@ -73,17 +76,21 @@ class Consumer:
         self.loader: Loader = loader or TriggerLoader(settings.allowed_modules)
         self.lease = Lease(store, ProcessKind.CONSUMER, queues=self.queues,
                            capacity=settings.capacity, ttl=settings.lease_ttl.total_seconds(),
-                           renew_interval=settings.renew_interval.total_seconds())
+                           renew_interval=settings.renew_interval.total_seconds(),
+                           max_clock_skew=settings.max_clock_skew.total_seconds(), clock=clock)
         self.sink = EventSink(transport, settings)
         self.outcomes = Outcomes(self.sink, self.lease, settings, on_fired=self._on_fired,
                                 encode=encode)
-        self.runner = TriggerRunner(self.outcomes.emit, self.outcomes.emit_many)
+        self.runner = TriggerRunner(self.outcomes.emit, self.outcomes.emit_many, clock)
         self.reaper = Reaper(store, transport, settings, local=self)
         self.subscriptions = Subscriptions(
             transport, prefetch=settings.prefetch,
             check_interval=settings.subscription_check_interval.total_seconds())
         for queue in self.queues:
             self.subscriptions.add(queue, self._on_delivery)
+        # Nothing is taken before the first renewal finds our clock within max_clock_skew.
+        self.subscriptions.paused = True
+        self.clock_ok: bool | None = None  # None: not compared yet
         self.metrics = get_metrics()
         self._wakeups: asyncio.Queue[Wakeup] = asyncio.Queue()
         self._pending_ids = 0
@@ -182,14 +189,16 @@ class Consumer:
     # -- deliveries ----------------------------------------------------------------------
 
     def _update_flow(self) -> None:
-        """At capacity cancel the subscriptions; resume with room (10% hysteresis)."""
+        """At capacity (or with a skewed clock) cancel the subscriptions; resume with room
+        (10% hysteresis) and a good clock."""
         held = len(self.runner) + self._pending_ids
         paused = self.subscriptions.paused
-        if not paused and held >= self.settings.capacity:
-            log.info("at capacity (%d); pausing subscriptions", held)
+        if not paused and (held >= self.settings.capacity or not self.clock_ok):
+            if self.clock_ok:
+                log.info("at capacity (%d); pausing subscriptions", held)
             self.subscriptions.paused = True  # at once: no resume may slip in before the task
             self._spawn(self.subscriptions.pause())
-        elif paused and held < self.settings.capacity * 0.9:
+        elif paused and self.clock_ok and held < self.settings.capacity * 0.9:
             log.info("room again (%d held); resuming subscriptions", held)
             self.subscriptions.paused = False
             self._spawn(self.subscriptions.resume())
@@ -202,6 +211,8 @@ class Consumer:
         self._wakeups.put_nowait((ids, message))
 
     def _room(self) -> int:
+        if not self.clock_ok:  # no take-over, probation or local claim on a skewed clock
+            return 0
         return max(0, self.settings.capacity - len(self.runner) - self._pending_ids)
 
     # -- the reaper's side (reaper.Local) ---------------------------------------------------
@@ -216,8 +227,9 @@ class Consumer:
                    else None)
 
     async def adopt(self, taker: Taker, specs: list[TriggerSpec]) -> None:
-        if taker.me != self.me or not self.lease.valid():
+        if taker.me != self.me or not self.lease.valid() or not self.clock_ok:
             # Fenced while the take-over ran: nobody runs what it took under the old id.
+            # (Or our clock went wrong meanwhile: peers run it.)
             with contextlib.suppress(StoreError, TransportError):  # else the reaper's later
                 await self._republish(await self.store.release(taker.me, [s.id for s in specs]))
             return
@@ -236,7 +248,7 @@ class Consumer:
         """Queue freed triggers for our own claim loop; return what does not fit."""
         if queue not in self.queues or self._stopping:
             return ids
-        room = max(0, self.settings.capacity - len(self.runner) - self._pending_ids)
+        room = self._room()
         take, rest = ids[:room], ids[room:]
         for i in range(0, len(take), self.settings.claim_batch):
             chunk = take[i : i + self.settings.claim_batch]
@@ -314,8 +326,9 @@ class Consumer:
             return
         ids, overflow = self._fit_to_room(batch)
         found = await self.store.claim(me, ids, self.queues)
-        if me != self.me or not self.lease.valid():
+        if me != self.me or not self.lease.valid() or not self.clock_ok:
             # Fenced while the claim ran: nobody runs what it took under the old id.
+            # (Or our clock went wrong meanwhile: peers run it.)
             await self.store.release(me, [s.id for s in found.claimed])
             await self._requeue_all(batch)
             return
@@ -349,7 +362,8 @@ class Consumer:
 
     def _fit_to_room(self, batch: list[Wakeup]) -> tuple[list[int], dict[str, list[int]]]:
         """Split delivered ids into what fits our free capacity and the overflow per queue."""
-        room = max(0, self.settings.capacity - len(self.runner))
+        # skewed: all of it goes on to peers (deliveries in flight as we unsubscribed)
+        room = max(0, self.settings.capacity - len(self.runner)) if self.clock_ok else 0
         ids: list[int] = []
         overflow: dict[str, list[int]] = defaultdict(list)
         for msg_ids, message in batch:
@@ -466,21 +480,47 @@ class Consumer:
     # -- lease -------------------------------------------------------------------------------
 
     async def _renew_loop(self) -> None:
-        while True:
+        while True:  # the first at once: it checks our clock before anything is taken
+            await self._renew()
             await asyncio.sleep(self.settings.renew_interval.total_seconds())
-            try:
-                renewal = await self.lease.renew(
-                    len(self.runner), subscribed=self.subscriptions.connected.is_set())
-            except LeaseLost as exc:
-                await self._fence(str(exc))
-                continue
-            except StoreError as exc:
-                log.warning("lease renewal failed: %r", exc)
-                continue
-            self.metrics.renewals.add(1)
-            if renewal.dead_peers:
-                self._reap_now.set()
-            self._maybe_rebalance(renewal.live_peers, renewal.peers_running)
+
+    async def _renew(self) -> None:
+        try:
+            renewal = await self.lease.renew(
+                len(self.runner),
+                subscribed=self.subscriptions.connected.is_set() and self.clock_ok is True)
+        except LeaseLost as exc:
+            await self._fence(str(exc))
+            return
+        except StoreError as exc:
+            log.warning("lease renewal failed: %r", exc)
+            return
+        self.metrics.renewals.add(1)
+        self._check_clock()
+        if renewal.dead_peers:
+            self._reap_now.set()
+        self._maybe_rebalance(renewal.live_peers, renewal.peers_running)
+
+    def _check_clock(self) -> None:
+        """Run triggers only while our clock is within ``max_clock_skew`` of the database's:
+        timers and timeouts are read on it. Skewed, the consumer unsubscribes, takes nothing
+        and hands back what it holds (stopped here, before a timer can fire), so peers with
+        good clocks run it; it serves again once a renewal finds its clock back."""
+        check = self.lease.clock_check
+        if check.skew is None or check.ok is self.clock_ok:
+            return
+        self.clock_ok = check.ok
+        if check.ok:
+            log.info("clock %+.3fs off the database's, within max_clock_skew (%gs): "
+                     "running triggers", check.skew, check.bound)
+        else:
+            stopped = self.runner.cancel()
+            log.error("clock %+.1fs off the database's, past max_clock_skew (%gs): "
+                      "not firing timers or timeouts on it; handing %d triggers to peers",
+                      check.skew, check.bound, len(stopped), extra={"consumer_id": self.me})
+            if stopped:
+                self._spawn(self._hand_back(stopped, "clock_skew"))
+        self._update_flow()
 
     async def _fence(self, why: str) -> None:
         """Lost the lease: stop everything held, forget unsent events, register anew."""
@@ -508,11 +548,15 @@ class Consumer:
     async def _shed(self, ids: list[int]) -> None:
         if self._stopping:
             return
-        stopped = self.runner.cancel(ids)
+        refs = await self._hand_back(self.runner.cancel(ids), "rebalance")
+        log.info("rebalanced: handed %d triggers to peers", len(refs))
+
+    async def _hand_back(self, stopped: list[Held], cause: str) -> list[TriggerRef]:
+        """Release stopped triggers and wake their queues' other consumers."""
         refs = await self.store.release(self.me, [h.id for h in stopped])
         await self._republish(refs)
-        self.metrics.released.add(len(refs), {"cause": "rebalance"})
-        log.info("rebalanced: handed %d triggers to peers", len(refs))
+        self.metrics.released.add(len(refs), {"cause": cause})
+        return refs
 
     # -- periodic sweeps ---------------------------------------------------------------------
 

@@ -43,6 +43,7 @@ class ConsumerObserver:
         health.check("lease", c.lease.problem)
         health.check("database", c.lease.database_problem)
         health.check("broker", c.subscriptions.problem)
+        health.check("clock", c.lease.clock_check.problem)
 
     def stop(self) -> None:
         self.watchdog.stop()
@@ -70,3 +71,8 @@ class ConsumerObserver:
         self.metrics.gauge(telemetry.RUNNING, "Triggers running, per queue", running)
         self.metrics.gauge(telemetry.CAPACITY_LEFT, "Triggers this consumer can still take",
                            lambda: [(float(c.settings.capacity - len(c.runner)), {})])
+        skew = c.lease.clock_check
+        self.metrics.gauge(
+            telemetry.CLOCK_SKEW, "This consumer's clock minus the database's, in seconds "
+            "(past max_clock_skew it runs no trigger)",
+            lambda: [] if skew.skew is None else [(skew.skew, {})])

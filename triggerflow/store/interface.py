@@ -116,6 +116,7 @@ class Renewal:
     dead_peers: int
     live_peers: int
     peers_running: int
+    db_time: float  # the database's clock as it renewed (epoch seconds): the skew check's
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,10 +200,12 @@ class Store(Protocol):
         ...
 
     async def renew(self, me: int, ttl: float, running: int, queues: Sequence[str], *,
-                    subscribed: bool = True) -> Renewal | None:
+                    subscribed: bool = True, clock_skew: float | None = None) -> Renewal | None:
         """Extend my lease; None when it had already expired (I am fenced: stop everything).
         ``subscribed``: whether I am subscribed on the broker; only consumers that are count
-        as live peers (capacity) for anyone's rebalancing and consumer counts."""
+        as live peers (capacity) for anyone's rebalancing and consumer counts.
+        ``clock_skew``: my clock's last measured offset from the database's, kept on my row
+        for ``status``."""
         ...
 
     async def unregister(self, me: int) -> None:

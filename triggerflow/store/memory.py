@@ -101,6 +101,7 @@ class Process:
     started_at: float = 0.0
     ttl: float = 0.0
     subscribed: bool = False  # on the broker, as of the last renewal (counted only then)
+    clock_skew: float | None = None  # its clock minus ours, as it last measured
 
 
 class MemoryStore:
@@ -164,19 +165,19 @@ class MemoryStore:
         return me
 
     async def renew(self, me: int, ttl: float, running: int, queues: Sequence[str], *,
-                    subscribed: bool = True) -> Renewal | None:
+                    subscribed: bool = True, clock_skew: float | None = None) -> Renewal | None:
         if not self._alive(me):
             return None
         now = self.clock()
         mine = self.processes[me]
         mine.expires_at, mine.running, mine.ttl = now + ttl, running, ttl
-        mine.subscribed = subscribed
+        mine.subscribed, mine.clock_skew = subscribed, clock_skew
         same_set = [p for p in self.processes.values() if set(p.queues) == set(queues)]
         dead = [p for p in self.processes.values() if p.expires_at <= now
                 and (not queues or set(p.queues) & set(queues))]
         live = [p for p in same_set if p.kind is ProcessKind.CONSUMER and p.expires_at > now
                 and p.subscribed]
-        return Renewal(len(dead), len(live), sum(p.running for p in live))
+        return Renewal(len(dead), len(live), sum(p.running for p in live), now)
 
     async def unregister(self, me: int) -> None:
         for t in self.triggers.values():

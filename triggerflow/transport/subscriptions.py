@@ -61,6 +61,7 @@ class Subscriptions:
         self._control_tag: str | None = None
         self.refusals = Refusals("the broker", AccessRefused, log)
         self._renewing: set[str] = set()  # healthy subscriptions being renewed right now
+        self._opening = asyncio.Lock()  # one open() at a time: two would subscribe twice
 
     def add(self, queue: str, handler: DeliveryHandler) -> None:
         self._wanted[queue] = partial(self.transport.subscribe, queue, handler,
@@ -137,11 +138,12 @@ class Subscriptions:
 
     async def open(self) -> None:
         """Subscribe every wanted queue not yet subscribed (unless paused or stopped)."""
-        if self.paused or self.stopped:
-            return
-        for name, subscribe in self._wanted.items():
-            if name not in self._tags:
-                self._tags[name] = await subscribe()
+        async with self._opening:
+            if self.paused or self.stopped:
+                return
+            for name, subscribe in self._wanted.items():
+                if name not in self._tags:
+                    self._tags[name] = await subscribe()
 
     async def close(self) -> None:
         """Unsubscribe the team queues; deliveries in hand stay ours to ack."""

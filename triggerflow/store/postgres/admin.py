@@ -5,7 +5,7 @@ the reference host (the demo's resumer). Not on any hot path of the loops.
 STATUS_CONSUMERS = """
 SELECT id, kind, host, pid, queues, capacity, running, version, started_at, renewed_at,
        expires_at, expires_at > now() AS alive, cardinality(probation) AS on_probation,
-       extract(epoch FROM now() - started_at)::float8 AS started_ago, subscribed
+       extract(epoch FROM now() - started_at)::float8 AS started_ago, subscribed, clock_skew
 FROM consumer ORDER BY kind, id
 """
 

@@ -94,11 +94,14 @@ RETURNING id
 # Only peers subscribed on the broker ($6 for my own row) count: one that cannot reach the
 # broker (a wrong password) renews its lease but receives nothing, and counted it would
 # make its peers shed triggers to it forever.
+# $7 is my clock's offset from the database's as last measured (for ``status``); db_time is
+# the database's clock now, against which the next offset is measured (skew.py).
 RENEW = """
 UPDATE consumer SET renewed_at = now(), expires_at = now() + make_interval(secs => $2),
-       running = $3, subscribed = $6
+       running = $3, subscribed = $6, clock_skew = $7
 WHERE id = $1 AND expires_at > now()
 RETURNING
+    extract(epoch FROM clock_timestamp())::float8 AS db_time,
     EXISTS (SELECT 1 FROM consumer c
             WHERE c.expires_at <= now()
               AND (c.queues && $4::text[] OR cardinality($4::text[]) = 0))::int AS dead_peers,

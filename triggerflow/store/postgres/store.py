@@ -147,7 +147,7 @@ class PostgresStore:
         return int(row["id"])
 
     async def renew(self, me: int, ttl: float, running: int, queues: Sequence[str], *,
-                    subscribed: bool = True) -> Renewal | None:
+                    subscribed: bool = True, clock_skew: float | None = None) -> Renewal | None:
         # The peers' counts only feed rebalancing, which can wait a few seconds: reading
         # them on every renewal made each renewal scan the consumer table.
         # While the last read found the load uneven (a rebalance under way), read them on
@@ -155,7 +155,7 @@ class PostgresStore:
         now = time.monotonic()
         peers = bool(queues) and (now >= self._peers_due or self._uneven)
         row = await self._lease_fetchrow(sql.RENEW, me, ttl, running, list(queues), peers,
-                                         subscribed)
+                                         subscribed, clock_skew)
         if row is None:
             return None
         if peers:
@@ -163,7 +163,8 @@ class PostgresStore:
             live, held = row["live_peers"], row["peers_running"]
             fair = held / live if live else 0.0
             self._uneven = live >= 2 and abs(running - fair) > 0.25 * fair + 20
-        return Renewal(row["dead_peers"], row["live_peers"], row["peers_running"])
+        return Renewal(row["dead_peers"], row["live_peers"], row["peers_running"],
+                       row["db_time"])
 
     async def unregister(self, me: int) -> None:
         await self._execute(sql.UNREGISTER, me)
