@@ -7,7 +7,7 @@ from __future__ import annotations
 from tests.contract.backends import Backend, register
 from tests.contract.test_failover import TTL, freed, live_through
 
-A = "team-a"
+A, B = "team-a", "team-b"
 
 
 def failure_text(next_kwargs: dict[str, str | list[str]]) -> str:
@@ -21,6 +21,7 @@ async def test_a_strike_frees_the_trigger_and_max_failures_strikes_quarantine_it
     backend: Backend,
 ) -> None:
     store = backend.store
+    await backend.defer(B)  # the first row of the table: a strike reports its own trigger's queue
     t, neighbour, ended = [await backend.defer(A) for _ in range(3)]
     me = await register(backend, [A], TTL)
     await store.claim(me, [t, neighbour, ended], [A])
@@ -48,7 +49,7 @@ async def test_a_strike_frees_the_trigger_and_max_failures_strikes_quarantine_it
     reason = failure_text(task.next_kwargs)
     assert struck.classpath in reason and "blocked the event loop for 8.0 s" in reason
     assert (await store.claim(other, [t], [A])).claimed == []
-    assert await store.resend_unclaimed(None, 0, 10) == []  # never re-sent
+    assert await store.resend_unclaimed([A], 0, 10) == []  # never re-sent
     assert await store.strike(other, t, spec.attempt, 1.0, max_failures=3) is None
     assert (await backend.task(neighbour)).state == "deferred"
     # A task that already left deferred is not moved by the quarantine.
@@ -81,3 +82,15 @@ async def test_a_strike_lands_after_the_strikers_lease_expired_even_once_reaped(
     assert await store.strike(blocked, retaken, 1, 30.0, max_failures=5) is None
     await backend.travel(1)
     assert [r.id for r in await store.resend_unclaimed([A], 0, 10)] == sorted([unreaped, reaped])
+
+
+async def test_a_trigger_quarantined_meanwhile_takes_no_strike(backend: Backend) -> None:
+    """The reaper quarantined it for the striker's own expiry: the late strike changes nothing."""
+    store = backend.store
+    t = await backend.defer(A)
+    witness = await register(backend, [A], TTL)
+    blocked = await register(backend, [A], TTL)
+    await store.claim(blocked, [t], [A])
+    await live_through(backend, 30, witness)
+    assert freed(await store.reap_dead([A], max_failures=1)) == [(t, 1, True)]
+    assert await store.strike(blocked, t, 1, 30.0, max_failures=5) is None
