@@ -33,9 +33,10 @@ AIRFLOW = "triggerflow.airflow.statements"
 TARGETS: list[tuple[str, str, str]] = [
     *((NATIVE, name, "postgres") for name in (
         "CLAIM", "CLAIM_PROBATION", "APPLY_EVENTS", "REAP_DEAD", "RELEASE", "RELEASE_LOST",
-        "SWEEP_CANCELLED", "TIMEOUT_ORPHANS", "CANCEL")),
+        "SWEEP_CANCELLED", "TIMEOUT_ORPHANS", "CANCEL", "STRIKE")),
     *((AIRFLOW, name, "airflow") for name in (
-        "CLAIM", "CLAIM_PROBATION", "REAP_DEAD", "RELEASE", "RELEASE_LOST", "SWEEP_CANCELLED")),
+        "CLAIM", "CLAIM_PROBATION", "REAP_DEAD", "RELEASE", "RELEASE_LOST", "SWEEP_CANCELLED",
+        "STRIKE")),
     ("triggerflow.airflow.events", "APPLY", "airflow"),
 ]
 # Store classes, and which of their methods run which constant (read from their source).

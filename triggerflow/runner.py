@@ -365,5 +365,11 @@ class TriggerRunner:
         while self._cleanups and (left := deadline - loop.time()) > 0:
             await asyncio.wait(list(self._cleanups), timeout=left)
 
+    def holding(self, trigger: BaseTrigger) -> Held | None:
+        """What runs this very trigger object now (not a later attempt of its id), if any."""
+        held = self.running.get(trigger.trigger_id) if trigger.trigger_id is not None else None
+        task = held.task if held is not None else None
+        return held if isinstance(task, _TriggerTask) and task.trigger is trigger else None
+
     def current_task_count(self) -> int:
         return sum(1 for h in self.running.values() if h.task is not None)

@@ -186,10 +186,16 @@ class Settings(BaseModel):
         seconds(1.0), gt=ZERO, description="How long a suspect group must run before it is cleared."
     )
     max_failures: int = Field(
-        30, ge=2, description="Ungraceful losses after which a trigger is quarantined."
+        30, ge=2, description="Ungraceful losses and block strikes after which a trigger is "
+        "quarantined."
     )
     blocked_threshold: Duration = Field(
         seconds(0.2), gt=ZERO, description="Seconds the loop may stay busy before the culprit is named."
+    )
+    block_limit: Duration = Field(
+        seconds(1.0), gt=ZERO,
+        description="Seconds a trigger may block the event loop before it is stopped and "
+        "charged a strike (counted with its losses towards max_failures).",
     )
     subscription_check_interval: Duration = Field(
         seconds(3.0), gt=ZERO, description="Seconds between checks that the broker still delivers to us."

@@ -12,6 +12,22 @@ from __future__ import annotations
 from triggerflow.airflow.schema import SCHEMA
 from triggerflow.store.postgres.statements import HELD_TAIL
 
+
+def _fail_quarantined(rows: str) -> str:
+    """Fail the tasks of the rows of CTE ``rows`` quarantined just now (``trigger_id``,
+    ``quarantined``, ``last_error``), the way Airflow fails a trigger
+    (``Trigger.submit_failure``: '__fail__', 'Trigger failure', the reason as its traceback)."""
+    return f"""
+    UPDATE task_instance ti SET state = 'scheduled', next_method = '__fail__',
+        next_kwargs = jsonb_build_object(
+            'error', 'Trigger failure',
+            'traceback', jsonb_build_array(format('triggerflow quarantined this trigger: %s',
+                                                  f.last_error))),
+        trigger_id = NULL, scheduled_dttm = now(), updated_at = now()
+    FROM {rows} f WHERE f.quarantined AND ti.trigger_id = f.trigger_id AND ti.state = 'deferred'
+"""
+
+
 REGISTER = f"""
 INSERT INTO {SCHEMA}.consumer (kind, host, pid, queues, capacity, version, expires_at,
                       subscribed)
@@ -213,6 +229,25 @@ FORGET_HELD = f"""
 DELETE FROM {SCHEMA}.trigger_state WHERE trigger_id = ANY($1::int[]) AND owner_id = $2
 """
 
+# A strike against a trigger that blocked my event loop, by (id, attempt) as the native
+# STRIKE (why it needs no live lease is said there); quarantined as REAP_DEAD quarantines.
+STRIKE = f"""
+WITH struck AS (
+    UPDATE {SCHEMA}.trigger_state s SET owner_id = NULL, attempt = s.attempt + 1,
+        published_at = now(), failures = s.failures + 1,
+        quarantined_at = CASE WHEN s.failures + 1 >= $5 THEN now() END,
+        last_error = format('trigger %s (%s) blocked the event loop for %s s on consumer %s '
+                            '(%s failures)', t.id, t.classpath, round($4::numeric, 1), $1,
+                            s.failures + 1)
+    FROM "trigger" t
+    WHERE t.id = s.trigger_id AND s.trigger_id = $2 AND s.attempt = $3
+      AND (s.owner_id = $1 OR s.owner_id IS NULL) AND s.quarantined_at IS NULL
+    RETURNING s.trigger_id, coalesce(t.queue, $6) AS queue, t.classpath, s.failures,
+              s.quarantined_at IS NOT NULL AS quarantined, s.last_error
+), failed AS ({_fail_quarantined("struck")})
+SELECT trigger_id AS id, queue, classpath, failures, quarantined FROM struck
+"""
+
 # Consumers whose lease expired: free their triggers for re-sending, blaming as probation
 # says. A quarantined trigger's task fails the way Airflow fails a trigger
 # (``Trigger.submit_failure``: '__fail__', 'Trigger failure', the reason as its traceback).
@@ -246,15 +281,7 @@ WITH dead AS (
     -- on the row is re-checked here (READ COMMITTED) and stands
     FROM blamed b WHERE s.trigger_id = b.trigger_id AND s.owner_id = b.owner_id
     RETURNING s.trigger_id, s.failures, s.quarantined_at IS NOT NULL AS quarantined, s.last_error
-), failed AS (
-    UPDATE task_instance ti SET state = 'scheduled', next_method = '__fail__',
-        next_kwargs = jsonb_build_object(
-            'error', 'Trigger failure',
-            'traceback', jsonb_build_array(format('triggerflow quarantined this trigger: %s',
-                                                  f.last_error))),
-        trigger_id = NULL, scheduled_dttm = now(), updated_at = now()
-    FROM freed f WHERE f.quarantined AND ti.trigger_id = f.trigger_id AND ti.state = 'deferred'
-), gone AS (
+), failed AS ({_fail_quarantined("freed")}), gone AS (
     DELETE FROM {SCHEMA}.consumer WHERE id IN (SELECT id FROM dead) RETURNING id
 )
 SELECT f.trigger_id AS id, coalesce(t.queue, $4) AS queue, t.classpath, f.failures,

@@ -221,6 +221,13 @@ class AirflowStore:
     async def sweep_cancelled(self, me: int) -> list[int]:
         return [r["id"] for r in await self._fetch(sql.SWEEP_CANCELLED, me)]
 
+    async def strike(self, me: int, trigger_id: int, attempt: int, blocked: float,
+                     max_failures: int) -> FreedTrigger | None:
+        rows = await self._fetch(sql.STRIKE, me, trigger_id, attempt, blocked, max_failures,
+                                 self.default_queue)
+        return next((FreedTrigger(r["id"], r["queue"], r["classpath"], r["failures"],
+                                  r["quarantined"]) for r in rows), None)
+
     # -- writer --------------------------------------------------------------------------
 
     async def apply_events(self, events: Sequence[Event]) -> list[Applied]:

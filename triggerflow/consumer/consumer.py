@@ -5,6 +5,7 @@ claim committed (the store holds the lease from then on); ids beyond our free ca
 re-published for other consumers and the delivery acked -- never held or nacked. The
 lifecycle is a set of named tasks (subscriptions, claims, renewals, reaper, cancel sweep,
 probation) stopped in a known order. Knows the store and the transport only by interface.
+A trigger that blocks the loop past ``block_limit`` is stopped and charged (``strikes``).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from triggerflow.consumer.presence import Presence
 from triggerflow.consumer.probation import Probation
 from triggerflow.consumer.rebalance import excess
 from triggerflow.consumer.reconcile import Reconciler
+from triggerflow.consumer.strikes import Strikes
 from triggerflow.emitter import EventSink
 from triggerflow.lease import Lease, LeaseLost
 from triggerflow.lifecycle import report_stopped
@@ -106,6 +108,8 @@ class Consumer:
         self.reconciler = Reconciler(
             store, lambda: self.me, self.runner.running.__contains__, self._republish,
             settings.reconcile_after.total_seconds())
+        self.strikes = Strikes(settings, store, self.lease, self.runner, self.probation,
+                               self._spawn, self._republish)
         self.observer = ConsumerObserver(self)
         self.freezer = Freezer()  # a million held must not slow every full GC pass
 

@@ -26,9 +26,12 @@ class ConsumerObserver:
     def __init__(self, consumer: Consumer) -> None:
         self.consumer = consumer
         self.metrics = get_metrics()
-        self.watchdog = LoopWatchdog(consumer.settings.blocked_threshold.total_seconds(),
+        settings = consumer.settings
+        self.watchdog = LoopWatchdog(settings.blocked_threshold.total_seconds(),
                                      self._on_blocked,
-                                     on_lag=lambda lag: self.metrics.loop_lag.record(lag))
+                                     on_lag=lambda lag: self.metrics.loop_lag.record(lag),
+                                     limit=settings.block_limit.total_seconds(),
+                                     on_overrun=consumer.strikes.overran)
         self._register_gauges()
 
     def start(self) -> None:

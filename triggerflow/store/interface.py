@@ -272,6 +272,16 @@ class Store(Protocol):
         """Drop triggers I hold whose task is no longer deferred on them; returns their ids."""
         ...
 
+    async def strike(self, me: int, trigger_id: int, attempt: int, blocked: float,
+                     max_failures: int) -> FreedTrigger | None:
+        """The trigger blocked my event loop for ``blocked`` seconds at ``attempt``: count one
+        failure against it and free it to be re-sent, or at ``max_failures`` quarantine it
+        as ``reap_dead`` does (its task fails naming the class and the block, rounded to
+        0.1 s). Only while the row is still at ``attempt``, held by me or by nobody (my lease
+        may have expired meanwhile); None when it is not (taken since, struck, or gone). The
+        strike raises the attempt: recorded twice it counts once."""
+        ...
+
     # -- writer --------------------------------------------------------------------------
 
     async def apply_events(self, events: Sequence[Event]) -> list[Applied]:

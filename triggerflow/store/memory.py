@@ -15,6 +15,7 @@ import json
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from decimal import ROUND_HALF_UP, Decimal
 from typing import Any
 
 from triggerflow.codec import KwargsCodec, MissingKey
@@ -40,6 +41,11 @@ from triggerflow.wire import EVENT_KINDS, Event
 FINAL = {"success", "failed", "skipped"}
 ORPHAN_SLACK = 2.0  # seconds past its timeout before a deferred task is failed as orphaned
 SUSPECT_FAILURES = 2  # ungraceful losses that make a trigger a suspect (run on probation)
+
+
+def _tenths(seconds: float) -> Decimal:
+    """Seconds as the SQL's ``round(x::numeric, 1)`` gives them (half away from zero)."""
+    return Decimal(repr(seconds)).quantize(Decimal("0.1"), ROUND_HALF_UP)
 
 
 class ManualClock:
@@ -308,6 +314,23 @@ class MemoryStore:
                 gone.append(t.id)
         return gone
 
+    async def strike(self, me: int, trigger_id: int, attempt: int, blocked: float,
+                     max_failures: int) -> FreedTrigger | None:
+        t = self.triggers.get(trigger_id)
+        if t is None or t.attempt != attempt or t.owner not in (me, None) or t.quarantined:
+            return None
+        seconds = _tenths(blocked)
+        t.failures += 1
+        t.owner, t.attempt, t.dispatched_at = None, t.attempt + 1, self.clock()
+        t.quarantined = t.failures >= max_failures
+        t.last_error = (f"it blocked the event loop for {seconds} s on consumer {me} "
+                        f"({t.failures} failures)")
+        if t.quarantined:
+            self._fail_quarantined(t, f"trigger {t.id} ({t.classpath}) was quarantined after it "
+                                      f"blocked the event loop for {seconds} s ({t.failures} "
+                                      "failures)")
+        return FreedTrigger(t.id, t.queue, t.classpath, t.failures, t.quarantined)
+
     # -- writer --------------------------------------------------------------------------
 
     async def apply_events(self, events: Sequence[Event]) -> list[Applied]:
@@ -389,7 +412,9 @@ class MemoryStore:
                                 f"({t.failures} ungraceful losses)")
             t.owner, t.dispatched_at = None, now
             if t.quarantined:
-                self._fail_quarantined(t)
+                self._fail_quarantined(t, f"trigger {t.id} ({t.classpath}) was quarantined after "
+                                          f"its consumers died {t.failures} time(s) while "
+                                          "running it")
             elif (taker is not None and queues is not None and t.queue in queues
                   and t.failures < SUSPECT_FAILURES and taker.me not in t.rejected_by and len(taken) < room):
                 taken.append(self._take(t, taker.me))
@@ -399,14 +424,12 @@ class MemoryStore:
             del self.processes[pid]
         return Reaped(freed, len(dead), taken)
 
-    def _fail_quarantined(self, t: StoredTrigger) -> None:
+    def _fail_quarantined(self, t: StoredTrigger, message: str) -> None:
         task = self._task_on(t.id)
         if task is None or task.state != TaskState.DEFERRED:
             return
         task.next_kwargs = {
-            "error": "Trigger quarantined",
-            "message": f"trigger {t.id} ({t.classpath}) was quarantined after its consumers "
-                       f"died {t.failures} time(s) while running it",
+            "error": "Trigger quarantined", "message": message,
             "deferred_next_method": task.next_method, "deferred_next_kwargs": task.next_kwargs}
         task.state, task.next_method = TaskState.SCHEDULED, FAIL_METHOD
         task.trigger_timeout, task.updated_at = None, self.clock()

@@ -301,6 +301,38 @@ SELECT DISTINCT id FROM gone
 # Cancelled on their owner: the owner stopped them and drops its rows.
 FORGET_HELD = "DELETE FROM trigger WHERE id = ANY($1::bigint[]) AND owner_id = $2"
 
+# A strike: the trigger blocked my ($1) event loop for $4 seconds at attempt $3. One more
+# failure; freed to be re-sent, or at $5 quarantined as REAP_DEAD quarantines (the message
+# names the class and the block). By (id, attempt) only while I or nobody holds it: my lease
+# may have expired during the block, and the reaper may have freed the row already; every
+# claim or take-over raises the attempt, so nobody else can be running this attempt. The
+# strike raises it too: recorded twice (a retry after a lost answer) it counts once, and an
+# event of the struck run no longer applies.
+STRIKE = """
+WITH struck AS (
+    UPDATE trigger t SET owner_id = NULL, attempt = t.attempt + 1, dispatched_at = now(),
+        failures = t.failures + 1,
+        quarantined_at = CASE WHEN t.failures + 1 >= $5 THEN now() END,
+        last_error = format('it blocked the event loop for %s s on consumer %s (%s failures)',
+                            round($4::numeric, 1), $1, t.failures + 1)
+    WHERE t.id = $2 AND t.attempt = $3 AND (t.owner_id = $1 OR t.owner_id IS NULL)
+      AND t.quarantined_at IS NULL
+    RETURNING t.id, t.queue, t.classpath, t.failures, t.quarantined_at
+), failed AS (
+    UPDATE task_instance ti SET state = 'scheduled', next_method = '__fail__',
+        next_kwargs = jsonb_build_object(
+            'error', 'Trigger quarantined',
+            'message', format('trigger %s (%s) was quarantined after it blocked the event loop '
+                              'for %s s (%s failures)', s.id, s.classpath,
+                              round($4::numeric, 1), s.failures),
+            'deferred_next_method', ti.next_method, 'deferred_next_kwargs', ti.next_kwargs),
+        trigger_timeout = NULL, updated_at = clock_timestamp()
+    FROM struck s WHERE s.quarantined_at IS NOT NULL AND ti.trigger_id = s.id
+      AND ti.state = 'deferred'
+)
+SELECT id, queue, classpath, failures, quarantined_at IS NOT NULL AS quarantined FROM struck
+"""
+
 # -- writer
 
 # One statement per batch: delete the named triggers, only at the current attempt and of

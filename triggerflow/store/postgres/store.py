@@ -223,6 +223,12 @@ class PostgresStore:
     async def sweep_cancelled(self, me: int) -> list[int]:
         return [r["id"] for r in await self._fetch(sql.SWEEP_CANCELLED, me)]
 
+    async def strike(self, me: int, trigger_id: int, attempt: int, blocked: float,
+                     max_failures: int) -> FreedTrigger | None:
+        row = await self._fetchrow(sql.STRIKE, me, trigger_id, attempt, blocked, max_failures)
+        return None if row is None else FreedTrigger(
+            row["id"], row["queue"], row["classpath"], row["failures"], row["quarantined"])
+
     # -- writer --------------------------------------------------------------------------
 
     @staticmethod

@@ -1,0 +1,121 @@
+"""Strikes: a trigger that blocked the event loop past ``block_limit`` is stopped and charged.
+
+The watchdog queues :meth:`Strikes.overran` on the loop while the block lasts, so it runs as
+the loop resumes, before the trigger's next step or done-callback: the trigger is cancelled
+here (any event it yielded is dropped) and cannot block again on this consumer. The strike
+then counts one failure against it in the store, where failures from dead consumers count
+too: under ``max_failures`` the trigger is freed and re-sent (from two failures on it runs on
+probation), at ``max_failures`` it is quarantined and its task fails naming the class and the
+block, as a trigger that kills its consumers is.
+
+Fencing: a block longer than the lease expires our row, so when the loop resumes we may be
+fenced, and a peer's reaper may be freeing (or taking over) our triggers. The strike is still
+ours to record: it is evidence about one attempt, not an action under the lease. The store
+applies it by (trigger id, attempt) while the row is held by our old id or by nobody; every
+claim or take-over raises the attempt, so the statement can never touch a run of anyone
+else, and freeing a row of a dead owner is what the reaper would do with it anyway. Leaving
+it to the reaper instead would lose the evidence (it cannot tell the blocker from its
+innocent neighbours, and blames none of them when no peer witnessed the expiry).
+If a peer took the trigger over before the strike landed, this strike is lost, but that peer's
+reaper counted the loss of our lease against it, and the peer is blocked and strikes in turn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any
+
+from triggerflow.consumer.probation import Probation
+from triggerflow.lease import Lease
+from triggerflow.runner import Held, TriggerRunner
+from triggerflow.settings import Settings
+from triggerflow.store import Store, StoreError
+from triggerflow.store.interface import FreedTrigger, TriggerRef
+from triggerflow.telemetry import get_metrics
+from triggerflow.transport import TransportError
+from triggerflow.triggers.base import BaseTrigger
+
+log = logging.getLogger(__name__)
+
+
+class Strikes:
+    """Stops triggers that overran ``block_limit`` and charges each a strike in the store.
+
+    ``spawn`` runs a coroutine in the consumer's background (at once: a task created now
+    starts before the loops a block held up); ``republish`` sends wake-ups.
+    """
+
+    def __init__(self, settings: Settings, store: Store, lease: Lease, runner: TriggerRunner,
+                 probation: Probation, spawn: Callable[[Coroutine[Any, Any, Any]], None],
+                 republish: Callable[[Sequence[TriggerRef]], Coroutine[Any, Any, None]]) -> None:
+        self.store = store
+        self.lease = lease
+        self.runner = runner
+        self.probation = probation
+        self.claim_lock = probation.claim_lock  # the consumer's, held by every claim and take
+        self.spawn = spawn
+        self.republish = republish
+        self.limit = settings.block_limit.total_seconds()
+        self.max_failures = settings.max_failures
+
+    def overran(self, trigger: BaseTrigger, since: float) -> None:
+        """On the loop, as it resumes from a block by ``trigger`` that began at ``since``."""
+        held = self.runner.holding(trigger)
+        if held is None:  # it ended meanwhile, or blocked outside run() (cleanup, __init__)
+            return
+        blocked = round(time.monotonic() - since, 1)
+        self.runner.cancel([held.id])
+        # Not a survivor of its probation group: clearing would reset the failures we count.
+        self.probation.group = [i for i in self.probation.group if i != held.id]
+        log.warning("stopped trigger %s (id %s): it blocked the event loop for %.1f s "
+                    "(block_limit %g s); charging a strike", held.classpath, held.id, blocked,
+                    self.limit, extra=held.log_context())
+        # The id it ran under: a fence about to follow registers us anew.
+        self.spawn(self._strike(self.lease.me, held, blocked))
+
+    async def _strike(self, me: int, held: Held, blocked: float) -> None:
+        """Record the strike, retrying a lost store: until then the row stays ours, unrun.
+
+        The first try holds the claim lock, taken before any other loop of ours resumes (this
+        task was created first): past the lease our own reaper frees our expired row as soon
+        as the loop runs, and probation or a claim would then run the trigger again at a new
+        attempt before the strike landed, with no failure counted (a lone consumer has no
+        witness). Retries go without it: shutdown waits for that lock.
+        """
+        lock: asyncio.Lock | None = self.claim_lock
+        while True:
+            try:
+                async with lock or contextlib.nullcontext():
+                    struck = await self.store.strike(me, held.id, held.attempt, blocked,
+                                                     self.max_failures)
+                break
+            except StoreError as exc:
+                log.warning("recording a strike failed (%r); retrying", exc,
+                            extra=held.log_context())
+                lock = None
+                await asyncio.sleep(1)
+        if struck is None:
+            log.info("strike not recorded: trigger %s moved on since attempt %s", held.id,
+                     held.attempt, extra=held.log_context())
+        elif struck.quarantined:
+            self._quarantined(struck, blocked)
+        else:
+            await self._resend(struck)
+
+    def _quarantined(self, struck: FreedTrigger, blocked: float) -> None:
+        get_metrics().quarantined.add(1, {"queue": struck.queue})
+        log.warning("quarantined trigger %s (%s) after it blocked the event loop for %.1f s "
+                    "(%s failures); its task failed", struck.id, struck.classpath, blocked,
+                    struck.failures, extra={"trigger_id": struck.id, "queue": struck.queue,
+                                            "trigger_class": struck.classpath})
+
+    async def _resend(self, struck: FreedTrigger) -> None:
+        get_metrics().released.add(1, {"cause": "blocked"})
+        try:
+            await self.republish([TriggerRef(struck.id, struck.queue)])
+        except TransportError as exc:  # unclaimed: the reaper re-sends it after the grace
+            log.warning("re-sending struck trigger %s failed (%r)", struck.id, exc)
