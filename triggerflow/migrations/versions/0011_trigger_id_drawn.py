@@ -9,8 +9,9 @@ ahead of the sequence can then never be planted: drawing it would have moved the
 past it. A session that drew none is refused too (``currval`` is not yet defined).
 
 What remains: an id another session drew but has not inserted yet lies below this session's
-``currval``. ``DEFER`` draws and inserts in one statement, so that window lasts one statement,
-and a team cannot see which ids are in it.
+``currval``. ``DEFER`` draws and inserts in one statement, so that window lasts one statement
+and the attacker must guess the id drawn in it. The ids of deleted triggers may be inserted
+again, into the inserting team's own queue only.
 
 No role may change a trigger's id either (a team's consumer role holds UPDATE on the table):
 the same squatting by ``UPDATE ... SET id``.
