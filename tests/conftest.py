@@ -62,6 +62,19 @@ class SuiteServices:
         return self.owned("amqp").rabbit
 
 
+@pytest.fixture(autouse=True)
+def triggerflow_loggers_enabled() -> None:
+    """A library's logging set-up run in-process by an earlier test (``dictConfig`` with its
+    default ``disable_existing_loggers``) disables every logger that existed then,
+    triggerflow's included: a later test reading a log line with ``caplog`` saw nothing (the
+    in-process run, ``pytest -m inprocess``, failed in test_reaper_units without this)."""
+    import logging
+
+    for name, logger in logging.Logger.manager.loggerDict.items():
+        if name.startswith("triggerflow") and isinstance(logger, logging.Logger):
+            logger.disabled = False
+
+
 @pytest.fixture(scope="session")
 def services() -> Iterator[SuiteServices]:
     pg = os.environ.get("TRIGGERFLOW_TEST_PG")

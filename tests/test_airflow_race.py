@@ -111,7 +111,7 @@ def mismatches(stack: AirflowStack) -> tuple[int, list[str], int]:
 @pytest.mark.timeout(600)  # a stack start, 200 task runs on 8 workers, a stack stop
 def test_triggers_that_fire_at_once_never_fail_their_tasks(
         race_stack: AirflowStack, amqp_server: str) -> None:
-    names = serve_with_triggerflow(race_stack, amqp_server, ["default"], f"tfrace{os.getpid()}",
+    names = serve_with_triggerflow(race_stack, amqp_server, ["default"], f"tfaf{os.getpid()}",
                                    airflow_resume_delay=HOLD)
     try:
         race_stack.wait_healthy(["triggerer"], 60)
