@@ -120,7 +120,8 @@ async def test_no_writer_exits_3_naming_it_and_fires_the_alert(
     writer.send_signal(signal.SIGKILL)
     writer.wait(10)
     await wait_until(lambda: db.fetchval(
-        "SELECT count(*) = 0 FROM consumer WHERE kind = 'writer' AND expires_at > now()"), 10)
+        "SELECT count(*) = 0 FROM consumer WHERE kind = 'writer' AND expires_at > now()"), 30,
+        message="the killed writer's lease expires")
     late = datetime.now(UTC) + timedelta(seconds=0.3)
     await client.defer(TaskKey("nw", "late", "r"), DateTimeTrigger(late), queue=served)
     code, report = await wait_until(events_waiting, 30, interval=0.5)
