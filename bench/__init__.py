@@ -13,9 +13,9 @@ roles (``tfbench_consumer``, ``tfbench_writer``, ``tfbench_sdk``), so ``pg_stat_
 (which has no pid) still tells them apart; the bench's own polling runs as the given user
 and is never counted.
 
-Scenarios: reference, capacity, burst, held, wide, steady, dbload, periodic, defer, failover
-(default: all). Bursts print their all-applied time as a multiple of ``reference``, the bare
-path measured in the same run (``reference.py``). ``airflow``, on
+Scenarios: reference, capacity, burst, held, wide, steady, dbload, periodic, defer, failover,
+million, promote, nodeloss, zone (default: all). Bursts print their all-applied time as a multiple of
+``reference``, the bare path measured in the same run (``reference.py``). ``airflow``, on
 its own, runs the Airflow-mode bench instead (``airflow.py``: a real Airflow 3.3.2 stack;
 needs the ``triggerflow[airflow]`` extra). ``--quick``
 runs tiny sizes (a smoke test). Raw results go to ``bench-results/``; a full run also
@@ -33,6 +33,7 @@ of its modules light, consumers import it.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import sys
@@ -41,7 +42,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from bench.common import FULL, PLOT, QUICK, SCENARIOS, BenchError, SleepTrigger
+from bench.common import FULL, PLOT, QUICK, SCENARIOS, BenchError, Sizes, SleepTrigger
 from bench.harness import Bench
 from bench.report import RUNNERS, _tables, plot_bursts, table_summary
 
@@ -50,7 +51,8 @@ if TYPE_CHECKING:
 
     from triggerflow.settings import Settings
 
-def run_bench(settings: Settings, scenarios: list[str], quick: bool) -> int:
+def run_bench(settings: Settings, scenarios: list[str], quick: bool, *,
+              zone_triggers: int | None = None, repeats: int | None = None) -> int:
     """Run the named scenarios (default all), print tables, save results; exit code."""
     from rich.console import Console
 
@@ -66,17 +68,22 @@ def run_bench(settings: Settings, scenarios: list[str], quick: bool) -> int:
                       f"{', '.join(SCENARIOS)}")
         return 2
     chosen = [s for s in SCENARIOS if s in scenarios] if scenarios else list(SCENARIOS)
-    return asyncio.run(_main(settings, chosen, quick, console))
+    sizes = QUICK if quick else FULL
+    if zone_triggers is not None:
+        sizes = dataclasses.replace(sizes, zone=zone_triggers)
+    if repeats is not None:
+        sizes = dataclasses.replace(sizes, repeats=repeats)
+    return asyncio.run(_main(settings, chosen, quick, sizes, console))
 
 
-async def _main(settings: Settings, chosen: list[str], quick: bool, console: Console) -> int:
+async def _main(settings: Settings, chosen: list[str], quick: bool, sizes: Sizes,
+                console: Console) -> int:
     import logging
 
     from rich.markup import escape
 
     for noisy in ("aiormq", "aio_pika"):  # broker restarts are reported by the watcher
         logging.getLogger(noisy).setLevel(logging.CRITICAL)
-    sizes = QUICK if quick else FULL
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     results_dir = Path("bench-results")
     out = results_dir / f"logs-{stamp}"

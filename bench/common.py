@@ -18,7 +18,7 @@ from typing import Any
 from triggerflow.triggers.base import BaseTrigger, TriggerEvent
 
 SCENARIOS = ("reference", "capacity", "burst", "held", "wide", "steady", "dbload", "periodic",
-             "defer", "failover", "million")
+             "defer", "failover", "lateness", "million", "promote", "nodeloss", "zone")
 ROLES = ("consumer", "writer", "sdk")
 FAR = 3600.0  # seconds ahead for triggers that must only wait
 # The source tree the bench runs from (it ships with the checkout, not the wheel): the
@@ -83,6 +83,17 @@ class Sizes:
     failover: int = 10_000
     failover_repeats: int = 3
     failover_timeout: float = 120.0
+    lateness: int = 2_000  # timers due across 2 s on the consumer that is killed or frozen
+    lateness_repeats: int = 10  # SIGKILL runs (median and max)
+    lateness_stop_repeats: int = 3  # SIGSTOP runs (each waits out a lease)
+    lateness_lead: float = 15.0  # seconds from deferring to the first timer's moment
+    lateness_thaw: float = 5.0  # seconds the thawed victim is watched after SIGCONT
+    promote: int = 10_000  # timers of the burst the database primary dies in
+    promote_spread: float = 5.0  # seconds the burst's instants are spread over
+    promote_repeats: int = 10
+    nodeloss: int = 10_000  # timers of the burst a broker node stops in
+    nodeloss_repeats: int = 5
+    zone: int = 100_000  # timers held by the consumers half of which are SIGKILLed
     million: int = 1_000_000  # waiting timers one consumer holds in the million scenario
     million_periodic: tuple[int, ...] = (10_000, 100_000)  # smaller levels for periodic cost
     million_window: float = 30.0  # seconds of waiting measured (CPU, statements, DB time)
@@ -101,7 +112,10 @@ QUICK = Sizes(
     steady_rate=100, steady_seconds=2.0, waiting=500, idle_window=2.0, dbload_burst=200,
     dbload_steady_seconds=1.0, writer_events=1_000, defer_single=50, defer_batched=1_000,
     defer_batch=100, defer_procs=8, defer_seconds=1.0, failover=200, failover_repeats=1,
-    failover_timeout=60.0, million=20_000, million_periodic=(2_000,), million_window=2.0,
+    failover_timeout=60.0, lateness=200, lateness_repeats=1, lateness_stop_repeats=1,
+    lateness_lead=5.0, lateness_thaw=3.0, promote=500, promote_spread=3.0, promote_repeats=1,
+    zone=2_000, nodeloss=500, nodeloss_repeats=1,
+    million=20_000, million_periodic=(2_000,), million_window=2.0,
     quiet_wait=0.0, settle=1.0, lead=1.0, worker_stagger=0.15,
     baseline_each=False,
 )
@@ -128,6 +142,8 @@ TARGETS: dict[str, tuple[str, str]] = {
     "defer_batched": ("≥ 5,000 /s", "-"),
     "failover_kill": ("≤ 5 s", "26 s (median of 3)"),
     "failover_term": ("≤ 1 s", "-"),
+    "lateness_kill": ("≤ 0.5 s median, ≤ 1 s max", "~26 s"),
+    "lateness_stop": ("bounded by lease_ttl; 0 stale applied", "-"),
     "million_kb": ("≤ 0.5 KB", "-"),
     "million_cpu": ("≤ 2 % of a core", "-"),
     "million_stmts": ("≤ 2 /s", "-"),

@@ -24,7 +24,7 @@ HOT = ("CLAIM", "RENEW", "REAP_DEAD", "REAP_DEAD (a dead owner)", "RESEND_UNCLAI
 
 
 async def _explain_all(b: Bench, me: int) -> list[dict[str, Any]]:
-    from triggerflow.store.postgres import statements as pg
+    from triggerflow.store.postgres.statements import claims, deferral, lease, reaper, writer
     from triggerflow.wire import encode_json
 
     db = b.db()
@@ -38,20 +38,20 @@ async def _explain_all(b: Bench, me: int) -> list[dict[str, Any]]:
     k = 1000
     uid = uuid.uuid4().hex[:8]
     args: dict[str, tuple[str, tuple[Any, ...]]] = {
-        "CLAIM": (pg.CLAIM, (me, idle_ids, [b.idle_queue])),
-        "RENEW": (pg.RENEW, (me, 3.0, 100_000, [b.queue], True)),
-        "REAP_DEAD": (pg.REAP_DEAD, ([b.queue], False, 10)),
+        "CLAIM": (claims.CLAIM, (me, idle_ids, [b.idle_queue])),
+        "RENEW": (lease.NATIVE.renew, (me, 3.0, 100_000, [b.queue], True)),
+        "REAP_DEAD": (reaper.REAP_DEAD, ([b.queue], False, 10)),
         # the consumer's lease expires inside the rolled-back transaction: what a peer's
         # reaper runs once after a crash, freeing everything it held
-        "REAP_DEAD (a dead owner)": (pg.REAP_DEAD, ([b.queue], False, 10)),
-        "RESEND_UNCLAIMED": (pg.RESEND_UNCLAIMED, ([b.queue], False, 15.0, 20_000)),
-        "TIMEOUT_ORPHANS": (pg.TIMEOUT_ORPHANS, ([b.queue], False, 7 * 86400.0)),
-        "TIMEOUT_ORPHANS (writer)": (pg.TIMEOUT_ORPHANS, ([], True, 7 * 86400.0)),
-        "SWEEP_CANCELLED": (pg.SWEEP_CANCELLED, (me,)),
-        "APPLY_EVENTS": (pg.APPLY_EVENTS, (
+        "REAP_DEAD (a dead owner)": (reaper.REAP_DEAD, ([b.queue], False, 10)),
+        "RESEND_UNCLAIMED": (reaper.RESEND_UNCLAIMED, ([b.queue], False, 15.0, 20_000)),
+        "TIMEOUT_ORPHANS": (reaper.TIMEOUT_ORPHANS, ([b.queue], False, 7 * 86400.0)),
+        "TIMEOUT_ORPHANS (writer)": (reaper.TIMEOUT_ORPHANS, ([], True, 7 * 86400.0)),
+        "SWEEP_CANCELLED": (claims.SWEEP_CANCELLED, (me,)),
+        "APPLY_EVENTS": (writer.APPLY_EVENTS, (
             [r["id"] for r in owned], [r["attempt"] for r in owned], [r["queue"] for r in owned],
             ["resume"] * len(owned), [moment] * len(owned), [time.time()] * len(owned))),
-        "DEFER": (pg.DEFER, (
+        "DEFER": (deferral.DEFER, (
             ["bench"] * k, [f"x{i}" for i in range(k)], [f"explain-{uid}"] * k, [-1] * k,
             ["triggerflow.triggers.temporal.DateTimeTrigger"] * k,
             [json.dumps({"moment": "2030-01-01T00:00:00+00:00"})] * k, [b.queue] * k,

@@ -102,7 +102,7 @@ def table_capacity(res: dict[str, Any]) -> Table:
 
 
 async def _burst_once(b: Bench, n: int, *, keep_held: bool = False,
-                      defer_rate: float = 2500) -> dict[str, Any]:
+                      defer_rate: float = 2500, analyze: bool = False) -> dict[str, Any]:
     if keep_held:  # the held timers stay; only the previous bursts' tasks go
         await b.db().execute("DELETE FROM task_instance WHERE state <> 'deferred'")
     else:
@@ -117,6 +117,8 @@ async def _burst_once(b: Bench, n: int, *, keep_held: bool = False,
                              held + n, max(0.0, instant.timestamp() - time.time() - 0.4))
     if not ok:
         b.log(f"[yellow]  only {await b.owned() - held:,}/{n:,} claimed before the instant")
+    if analyze:  # statistics that know the burst's rows too
+        await b.analyze()
     await asyncio.sleep(max(0.0, instant.timestamp() - time.time() - 0.3))
     await b.stmt_reset()
     done, _ = await b.wait_for(
@@ -135,7 +137,8 @@ async def _burst_once(b: Bench, n: int, *, keep_held: bool = False,
 
 
 async def _bursts(b: Bench, sizes: tuple[int, ...], tag: str, *,
-                  keep_held: bool = False, defer_rate: float = 2500) -> dict[str, Any]:
+                  keep_held: bool = False, defer_rate: float = 2500,
+                  analyze: bool = False) -> dict[str, Any]:
     """Each size ``repeats`` times, each run right after a reference run of the same size
     (interleaved, so a slower minute of the machine slows both); medians and ratios."""
     out: dict[str, Any] = {}
@@ -145,7 +148,8 @@ async def _bursts(b: Bench, sizes: tuple[int, ...], tag: str, *,
             ref = await reference_run(b, n)
             b.log(f"{tag}: N={n:,} run {i + 1}/{b.sizes.repeats}")
             r = await b.measured(f"{tag} {n}", functools.partial(
-                _burst_once, b, n, keep_held=keep_held, defer_rate=defer_rate))
+                _burst_once, b, n, keep_held=keep_held, defer_rate=defer_rate,
+                analyze=analyze))
             r["reference_all_applied"] = ref["all_applied"]
             runs.append(r)
             b.log(f"{tag}: N={n:,} run {i + 1}: p50 {ms(r['p50'])}, p99 {ms(r['p99'])}, all "
@@ -170,26 +174,50 @@ async def scenario_burst(b: Bench) -> dict[str, Any]:
     return out
 
 
+HOT_TABLES = ("trigger", "task_instance", "consumer")
+
+
+async def _autovacuum(b: Bench, on: bool) -> None:
+    for table in HOT_TABLES:
+        await b.db().execute(f"ALTER TABLE {table} SET (autovacuum_enabled = {str(on).lower()})")
+
+
 async def scenario_held(b: Bench) -> dict[str, Any]:
-    """Bursts while the same consumer also holds ``held`` waiting timers."""
+    """Bursts while the same consumer also holds ``held`` waiting timers, in two states of
+    the planner's statistics (issue 22):
+
+    - ``sizes``, no statistics since the deferral wave: the tables were emptied, the held
+      timers and each burst deferred through the SDK shortly before, no ANALYZE, and
+      autovacuum kept off the hot tables so it cannot catch up mid-run (production's case
+      after a wave of mapped tasks deferring to the top of the hour);
+    - ``fresh``: the same, with an ANALYZE after each burst's deferral, before its instant.
+    """
     await b.reset()
     await b.start_writer()
     await b.start_consumer()
-    b.log(f"held: deferring {b.sizes.held:,} far timers for the consumer to hold")
-    await b.defer(b.sizes.held, _run_id("held"))
-    ok, _ = await b.wait_for("SELECT count(*) FROM trigger WHERE owner_id IS NOT NULL",
-                             b.sizes.held, 300)
-    if not ok:
-        raise BenchError(f"the consumer claimed only {await b.owned():,} of {b.sizes.held:,}")
-    await asyncio.sleep(b.sizes.settle)
-    return {"held": b.sizes.held,
-            "sizes": await _bursts(b, b.sizes.held_burst, "held", keep_held=True)}
+    await _autovacuum(b, False)
+    try:
+        b.log(f"held: deferring {b.sizes.held:,} far timers for the consumer to hold")
+        await b.defer(b.sizes.held, _run_id("held"))
+        ok, _ = await b.wait_for("SELECT count(*) FROM trigger WHERE owner_id IS NOT NULL",
+                                 b.sizes.held, 300)
+        if not ok:
+            raise BenchError(f"the consumer claimed only {await b.owned():,} of "
+                             f"{b.sizes.held:,}")
+        await asyncio.sleep(b.sizes.settle)
+        stale = await _bursts(b, b.sizes.held_burst, "held, no statistics", keep_held=True)
+        fresh = await _bursts(b, b.sizes.held_burst, "held, fresh statistics", keep_held=True,
+                              analyze=True)
+    finally:
+        await _autovacuum(b, True)
+    return {"held": b.sizes.held, "sizes": stale, "fresh": {"sizes": fresh}}
 
 
-def table_burst(res: dict[str, Any], repeats: int, held: int = 0) -> Table:
+def table_burst(res: dict[str, Any], repeats: int, held: int = 0, stats: str = "") -> Table:
     from rich.table import Table
 
     also = f", the consumer also holding {held:,} waiting timers" if held else ""
+    also += f"; {stats}" if stats else ""
     t = Table(title=f"Burst: N DateTimeTriggers firing at one instant{also} (median of "
               f"{repeats} runs)")
     for col in ("N", "p50", "p99", "all applied", "reference", "x reference", "all fired",

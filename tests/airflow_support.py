@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import concurrent.futures
 import contextlib
 import json
 import os
@@ -192,6 +193,30 @@ async def add_deferred_task(conn: asyncpg.Connection, task_id: str, classpath: s
     return DeferredTask(task_id, int(trigger_id), map_index)
 
 
+def _delete_queues(amqp_url: str, queues: list[str]) -> None:
+    """Team queues keep their own names, so an earlier module's ``default`` outlives it on
+    the suite's broker: declared again under another namespace it is refused (its
+    dead-letter exchange differs), and the wake-ups it holds name another stack's triggers.
+    Each serving starts with its team queues deleted."""
+    import aio_pika
+
+    async def delete() -> None:
+        conn = await aio_pika.connect(amqp_url)
+        try:
+            for queue in queues:
+                channel = await conn.channel()
+                with contextlib.suppress(Exception):  # absent: nothing to delete
+                    await channel.queue_delete(queue)
+                if not channel.is_closed:
+                    await channel.close()
+        finally:
+            await conn.close()
+
+    # A thread of its own: some callers run inside an event loop (async fixtures).
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pool.submit(asyncio.run, delete()).result(timeout=60)
+
+
 def serve_with_triggerflow(stack: AirflowStack, amqp_url: str, queues: list[str],
                            namespace: str, **overrides: Any) -> list[str]:
     """``triggerflow airflow setup`` and ``topology apply`` on ``stack``, then ``writer
@@ -201,13 +226,16 @@ def serve_with_triggerflow(stack: AirflowStack, amqp_url: str, queues: list[str]
 
     settings = Settings(
         database_url=stack.database_url, amqp_url=amqp_url, namespace=namespace,
-        allowed_modules=["airflow.providers.standard.triggers", "tests.airflow_triggers"],
+        allowed_modules=overrides.pop("allowed_modules",
+                                      ["airflow.providers.standard.triggers",
+                                       "tests.airflow_triggers"]),
         **{**FAST, **overrides},
     )
     env = {**stack.env, **settings.as_env(), "PYTHONUNBUFFERED": "1"}
     tf = [sys.executable, "-m", "triggerflow"]
     subprocess.run([*tf, "airflow", "setup", "--database-url", stack.database_url],
                    env=env, check=True, timeout=120)
+    _delete_queues(amqp_url, queues)
     queue_flags = [flag for q in queues for flag in ("--queue", q)]
     subprocess.run([*tf, "topology", "apply", *queue_flags], env=env, check=True, timeout=120)
     stack.spawn("tf-writer", [*tf, "writer", "--airflow"], env)

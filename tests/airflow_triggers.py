@@ -6,11 +6,12 @@ collected by pytest (no ``test_`` prefix)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator
 from typing import Any
 
 from airflow.sdk import BaseOperator
-from airflow.triggers.base import BaseTrigger, TriggerEvent
+from airflow.triggers.base import BaseTrigger, StartTriggerArgs, TriggerEvent
 
 
 class RaisingTrigger(BaseTrigger):
@@ -137,3 +138,101 @@ class LatencyTrigger(BaseTrigger):
             connection_ms.append(round((t1 - t0) * 1000, 3))
             variable_ms.append(round((t2 - t1) * 1000, 3))
         yield TriggerEvent({"connection_ms": connection_ms, "variable_ms": variable_ms})
+
+
+async def deadline_missed(marker: str, context: Any = None) -> str:
+    """A deadline alert's ``AsyncCallback`` (``tests/airflow_asset_dags``): run by a
+    triggerer in a ``CallbackTrigger``; appends the DAG run it was called for to ``marker``
+    and returns what Airflow stores as the callback's output."""
+    await asyncio.to_thread(_append, marker, f"{context!r}\n")
+    return "deadline missed"
+
+
+def _append(path: str, text: str) -> None:
+    with open(path, "a") as out:
+        out.write(text)
+
+
+class TaskInstanceTrigger(BaseTrigger):
+    """Fires with what it reads from ``self.task_instance`` (set by the triggerer) and its
+    ``message`` (a templated field of ``StartsInTrigger``, rendered by the triggerer when the
+    task starts from the trigger). ``hold`` as in ``RuntimeReadingTrigger``."""
+
+    def __init__(self, message: str, hold: float = 0.0) -> None:
+        super().__init__()
+        self.message = message
+        self.hold = hold
+
+    def serialize(self) -> tuple[str, dict[str, Any]]:
+        return ("tests.airflow_triggers.TaskInstanceTrigger",
+                {"message": self.message, "hold": self.hold})
+
+    async def run(self) -> AsyncIterator[TriggerEvent]:
+        await asyncio.sleep(self.hold)
+        ti = self.task_instance
+        yield TriggerEvent({
+            "message": self.message,
+            "ti": None if ti is None else {
+                "dag_id": ti.dag_id, "task_id": ti.task_id, "run_id": ti.run_id,
+                "map_index": ti.map_index, "try_number": ti.try_number},
+            # a RuntimeTaskInstance (start_from_trigger) carries its task; the DTO does not
+            "task": getattr(getattr(ti, "task", None), "task_id", None),
+        })
+
+
+class StartsInTrigger(BaseOperator):
+    """Starts in the triggerer (``start_from_trigger``, no worker) on ``TaskInstanceTrigger``
+    with a templated ``message``; ``execute_complete`` returns the event (the XCom compared).
+    With ``start_from_trigger=False`` a worker runs ``execute`` and defers to the same
+    trigger with the message rendered by the worker."""
+
+    template_fields = ("message",)
+    start_trigger_args = StartTriggerArgs(
+        trigger_cls="tests.airflow_triggers.TaskInstanceTrigger",
+        trigger_kwargs={"message": "", "hold": 0.0}, next_method="execute_complete",
+        next_kwargs=None, timeout=None)
+    start_from_trigger = False
+
+    def __init__(self, *, message: str, hold: float = 0.0, start_from_trigger: bool = True,
+                 **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.message = message
+        self.hold = hold
+        self.start_from_trigger = start_from_trigger
+        self.start_trigger_args = dataclasses.replace(
+            self.start_trigger_args, trigger_kwargs={"message": message, "hold": hold})
+
+    def execute(self, context: Any) -> None:
+        self.defer(trigger=TaskInstanceTrigger(message=self.message, hold=self.hold),
+                   method_name="execute_complete")
+
+    def execute_complete(self, context: Any, event: Any = None) -> Any:
+        return event
+
+
+class LoggingTrigger(BaseTrigger):
+    """Logs a line through its own logger (``self.log``, structlog), one through ``logging``
+    and one naming a secret it masked (``mask_secret``), holds ``hold`` seconds (its task is
+    deferred meanwhile), then fires with ``marker``."""
+
+    def __init__(self, marker: str, secret: str, hold: float) -> None:
+        super().__init__()
+        self.marker, self.secret, self.hold = marker, secret, hold
+
+    def serialize(self) -> tuple[str, dict[str, Any]]:
+        return (
+            f"{__name__}.LoggingTrigger",
+            {"marker": self.marker, "secret": self.secret, "hold": self.hold},
+        )
+
+    async def run(self) -> AsyncIterator[TriggerEvent]:
+        import logging
+
+        from airflow.sdk.log import mask_secret
+
+        self.log.info("trigger says %s", self.marker)
+        logging.getLogger(__name__).warning("stdlib says %s", self.marker)
+        mask_secret(self.secret)
+        self.log.info("the secret is %s", self.secret)
+        await asyncio.sleep(self.hold)
+        yield TriggerEvent(self.marker)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import os
 import signal
 import subprocess
@@ -75,8 +76,25 @@ def triggerflow_loggers_enabled() -> None:
             logger.disabled = False
 
 
+@contextlib.contextmanager
+def one_boot_at_a_time(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Under ``pytest -n`` each worker starts services of its own (``make test``). Three
+    RabbitMQ nodes booting side by side on a loaded 2-core machine each missed their
+    deadline (load average 45); the workers of one run boot theirs one after another. The
+    lock lives in the run's shared temporary directory (the workers' parent)."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        yield
+        return
+    with open(tmp_path_factory.getbasetemp().parent / "services-boot.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 @pytest.fixture(scope="session")
-def services() -> Iterator[SuiteServices]:
+def services(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SuiteServices]:
     pg = os.environ.get("TRIGGERFLOW_TEST_PG")
     amqp = os.environ.get("TRIGGERFLOW_TEST_AMQP")
     management = os.environ.get("TRIGGERFLOW_TEST_MANAGEMENT")
@@ -85,7 +103,8 @@ def services() -> Iterator[SuiteServices]:
         yield SuiteServices(pg, amqp, management or default_management_url(amqp), None,
                             overridden)
         return
-    own = start_services()
+    with one_boot_at_a_time(tmp_path_factory):
+        own = start_services()
     try:
         yield SuiteServices(pg or own.postgres.url, amqp or own.rabbit.url,
                             management or (default_management_url(amqp) if amqp
@@ -152,6 +171,7 @@ FAST = {
     "unclaimed_grace": 3.0,
     "cancel_sweep_interval": 1.0,
     "subscription_check_interval": 1.0,
+    "subscription_renew_interval": 2.0,
     "probation_seconds": 0.5,
     # No hold after a deferral: rows written by tests have no worker exit for Airflow's
     # scheduler to see (tests/test_airflow_race.py tests the hold on the real stack).
@@ -253,12 +273,55 @@ class Processes:
         self.supervisor.stop_all(sig=signal.SIGKILL, grace=10)
 
 
+# The contract suite's stores reach their databases through ``request.getfixturevalue``, which
+# the fixture closure does not show: these parameters need the services all the same.
+SERVICE_PARAMS = {"store_kind": ("postgres", "airflow")}
+
+
+def uses_services(item: pytest.Item) -> bool:
+    if "services" in getattr(item, "fixturenames", ()):
+        return True
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    return any(params.get(name) in values for name, values in SERVICE_PARAMS.items())
+
+
+def uses_airflow_database(item: pytest.Item) -> bool:
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    return "airflow_template" in getattr(item, "fixturenames", ()) or params.get(
+        "store_kind") == "airflow"
+
+
+def has_module_fixture(item: pytest.Item) -> bool:
+    info = getattr(item, "_fixtureinfo", None)
+    defs = info.name2fixturedefs.values() if info is not None else ()
+    return any(d and d[-1].scope == "module" for d in defs)
+
+
+def xdist_group(item: pytest.Item) -> str | None:
+    """The worker group of a test under ``pytest -n N --dist loadgroup`` (``make test``).
+    Each worker is a session of its own, with its own PostgreSQL and RabbitMQ (``services``
+    is session-scoped), so a test that restarts them disturbs only its worker. Grouped:
+    the tests on an Airflow template database (``airflow db migrate`` takes tens of seconds
+    of CPU: once, on one worker, not on each), and a module whose module-scoped fixture
+    (a rendered chart, a 3-node cluster) would otherwise be set up on every worker."""
+    if uses_airflow_database(item):
+        return "airflow"
+    if has_module_fixture(item):
+        return item.nodeid.split("::", 1)[0]
+    return None
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Mark the tests that use no service (no ``services`` fixture, however indirect):
-    ``make check`` runs them alone, in seconds."""
+    ``make check`` runs them alone, in seconds. Before the contract suite's PostgreSQL and
+    Airflow cases were recognised here, ``-m inprocess`` started the services for them."""
     for item in items:
-        if "services" not in getattr(item, "fixturenames", ()):
+        if not uses_services(item):
             item.add_marker(pytest.mark.inprocess)
+        group = xdist_group(item)
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
 
 
 CALL_FAILED = pytest.StashKey[bool]()  # set per test by the hook below, read by ``procs``
@@ -285,6 +348,12 @@ def procs(request: pytest.FixtureRequest, settings: Settings, topology: Topology
             sys.stderr.write(p.log(proc)[-20000:])
 
 
+# How long a test waits for a CLI process it started to register (its start-up: imports, the
+# first connections). A readiness wait, not a bound under test: it returns as soon as the row
+# appears. 15 s ran out under `make test`'s workers on a machine at load average 20-30.
+START_WAIT = 60.0
+
+
 async def wait_until(
     check: Callable[[], Awaitable[Any]], timeout: float, interval: float = 0.1,
     message: str = "condition",
@@ -298,6 +367,16 @@ async def wait_until(
             return last
         await asyncio.sleep(interval)
     raise AssertionError(f"{message} not reached within {timeout}s (last: {last!r})")
+
+
+async def consumer_id(db: Database, proc: subprocess.Popen[bytes]) -> int:
+    """The id a started consumer registered under (a loaded machine starts one slowly)."""
+    async def find() -> int | None:
+        return await db.fetchval(  # type: ignore[no-any-return]
+            "SELECT max(id) FROM consumer WHERE pid = $1 AND kind = 'consumer' "
+            "AND expires_at > now()", proc.pid)
+
+    return int(await wait_until(find, START_WAIT, message=f"consumer pid {proc.pid} registered"))
 
 
 async def states(db: Database) -> dict[str, int]:

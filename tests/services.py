@@ -37,7 +37,8 @@ RABBIT_BIN = Path("/usr/lib/rabbitmq/bin")
 # The machine's user whose ~/.erlang.cookie every node (and rabbitmqctl) shares: a later
 # cluster test joins nodes with it.
 RABBIT_HOME = Path("/var/lib/rabbitmq")
-START_TIMEOUT = 120.0
+# Generous: under `make test` several nodes boot at once, on a machine that may be busy too.
+START_TIMEOUT = 240.0
 
 
 def free_port(low: int | None = None, high: int | None = None) -> int:
@@ -151,6 +152,43 @@ class PostgresCluster:
         if (self.data / "postmaster.pid").exists():
             self._ctl("stop", "-m", "immediate", timeout=60)
 
+    def start_standby(self, root: Path) -> PostgresCluster:
+        """A streaming standby of this (running) cluster under ``root``, on a port of its own.
+
+        ``pg_basebackup -R`` copies the data directory with this cluster's settings and writes
+        ``standby.signal`` and ``primary_conninfo``; the standby's own port, socket directory
+        and an empty ``synchronous_standby_names`` are appended (once promoted it has no
+        standby of its own to wait for: with the primary's ``'*'`` every commit would hang)."""
+        standby = PostgresCluster(root, user=self.user)
+        root.mkdir(parents=True, exist_ok=True)
+        _chown_tree(root, self.user)
+        _run([*_as_user(self.user), str(pg_bin() / "pg_basebackup"), "-D", str(standby.data),
+              "-h", "127.0.0.1", "-p", str(self.port), "-U", "postgres", "-R", "-X", "stream",
+              "--no-sync"])
+        with open(standby.data / "postgresql.conf", "a") as f:
+            f.write(f"\n# tests/services.py: standby\nport = {standby.port}\n"
+                    f"unix_socket_directories = '{root}'\nsynchronous_standby_names = ''\n")
+        standby._ctl("start")
+        return standby
+
+    def promote(self) -> None:
+        """End recovery: this standby becomes a primary (``pg_ctl promote`` waits for it)."""
+        self._ctl("promote")
+
+    def kill(self) -> None:
+        """SIGKILL the postmaster and every backend at once, as a host or container dying:
+        no shutdown checkpoint, every client's socket reset."""
+        pid = int((self.data / "postmaster.pid").read_text().split()[0])
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        for victim in (pid, *map(int, children)):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(victim, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while _pid_alive(pid) and not _zombie(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        # a later stop() must not signal whatever process reuses the pid
+        (self.data / "postmaster.pid").unlink(missing_ok=True)
+
 
 @dataclass
 class RabbitNode:
@@ -170,6 +208,7 @@ class RabbitNode:
     dist_port: int = field(default_factory=dist_port)
     user: str = "rabbitmq"
     process: subprocess.Popen[bytes] | None = None
+    start_timeout: float = START_TIMEOUT
 
     @property
     def nodename(self) -> str:
@@ -234,7 +273,7 @@ class RabbitNode:
         return self
 
     def await_startup(self) -> None:
-        deadline = time.monotonic() + START_TIMEOUT
+        deadline = time.monotonic() + self.start_timeout
         while True:
             if self.process is not None and self.process.poll() is not None:
                 out = (self.root / "server.out").read_text(errors="replace")
@@ -243,7 +282,7 @@ class RabbitNode:
                 self.ctl("await_startup", "--timeout", "5", timeout=30)
                 return
             if time.monotonic() > deadline:
-                raise RuntimeError(f"{self.nodename} did not start within {START_TIMEOUT}s")
+                raise RuntimeError(f"{self.nodename} did not start within {self.start_timeout}s")
             time.sleep(0.5)
 
     def stop_app(self) -> None:
@@ -295,6 +334,15 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _zombie(pid: int) -> bool:
+    """Dead but not yet reaped by its parent (state ``Z`` in /proc)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] == "Z"
+
+
 def reap_leftovers(base: Path = BASE) -> list[Path]:
     """Stop the services of runs whose pytest process is gone, and remove their dirs."""
     removed = []
@@ -306,9 +354,10 @@ def reap_leftovers(base: Path = BASE) -> list[Path]:
             node = RabbitNode(nodefile.parent, name=nodefile.read_text().split("@")[0])
             with contextlib.suppress(Exception):
                 node.ctl("stop", timeout=60)
-        if (run / "postgres" / "data" / "postmaster.pid").exists():
+        # the session's cluster, or a primary and its standby (tests/replication.py)
+        for pidfile in run.glob("*/data/postmaster.pid"):
             with contextlib.suppress(Exception):
-                PostgresCluster(run / "postgres").stop()
+                PostgresCluster(pidfile.parent.parent).stop()
         shutil.rmtree(run, ignore_errors=True)
         removed.append(run)
     return removed

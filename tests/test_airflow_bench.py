@@ -19,6 +19,9 @@ from bench.airflow import QUEUE, QUICK, seed_rows
 from bench.airflow_seed import DAG_ID, bench_dag
 from tests.airflow_stack import AirflowStack
 
+# A real Airflow stack (scheduler, API server, DAG processor): `make test-airflow`'s stage.
+pytestmark = pytest.mark.airflow_stack
+
 N = 3
 QUICK_N = QUICK.counts[0]
 ROWS = """

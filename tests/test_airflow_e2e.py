@@ -25,6 +25,9 @@ from tests.conftest import ROOT
 
 __all__ = ["airflow_template"]
 
+# A real Airflow stack (scheduler, API server, DAG processor): `make test-airflow`'s stage.
+pytestmark = pytest.mark.airflow_stack
+
 DAGS = ROOT / "tests" / "airflow_dags"
 TEAMS = ("team-ml", "team-data-eng")
 QUEUES = ("default", *TEAMS)

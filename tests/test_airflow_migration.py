@@ -277,6 +277,7 @@ async def test_both_at_once_each_queue_is_served_by_its_own_triggerer(
     assert not d.seen.booked & {*af_ids, *none_ids}, d.seen.booked
 
 
+@pytest.mark.serial  # failed in make test's parallel stage at load 10-16 (docs/testing.md): alone
 async def test_back_to_airflow_triggerer_resumes_what_triggerflow_held(
         deployment: Deployment) -> None:
     """triggerflow serves a queue; its consumer and writer get SIGTERM and ``triggerflow

@@ -23,6 +23,9 @@ from triggerflow.settings import AIRFLOW_RESUME_DELAY
 
 __all__ = ["airflow_template"]
 
+# A real Airflow stack (scheduler, API server, DAG processor): `make test-airflow`'s stage.
+pytestmark = pytest.mark.airflow_stack
+
 DAGS = ROOT / "tests" / "airflow_dags"
 DAG_ID, TASK_ID = "tf_race_fires_at_once", "fires_at_once"
 RACERS = 100  # mapped instances (the DAG reads TF_RACE_TASKS)

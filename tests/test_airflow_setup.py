@@ -61,12 +61,14 @@ async def test_setup_is_idempotent_and_teardown_leaves_airflow_as_it_was(airflow
         assert done.returncode == 0, done.stderr
         assert "Airflow 3.3 schema" in done.stdout
     assert await airflow_setup.installed(dsn) == (True, True)
-    assert [r["tgname"] for r in await fetch(dsn, PUBLIC_TRIGGERS)] == ["triggerflow_notify_insert"]
+    assert sorted(r["tgname"] for r in await fetch(dsn, PUBLIC_TRIGGERS)) == [
+        "triggerflow_deferred_task_deleted", "triggerflow_notify_insert",
+        "triggerflow_task_left_deferred"]  # the last two: the cancel log (airflow/cancels.py)
     # Airflow's tables: not one column added, removed or changed.
     assert await fetch(dsn, AIRFLOW_TABLES) == before
     tables = {r["tablename"] for r in await fetch(
         dsn, "SELECT tablename FROM pg_tables WHERE schemaname = 'triggerflow'")}
-    assert tables == {"meta", "consumer", "trigger_state"}
+    assert tables == {"meta", "consumer", "trigger_state", "cancel_log"}
 
     done = triggerflow_cli("airflow", "teardown", "--database-url", dsn)
     assert done.returncode == 0, done.stderr

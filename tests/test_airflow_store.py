@@ -4,8 +4,10 @@ backstop, cancellation sweep, and the NOTIFY listener."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 import asyncpg
 import pendulum
@@ -15,6 +17,7 @@ from tests import airflow_support as af
 from tests.airflow_support import airflow_db, airflow_template
 from tests.conftest import wait_until
 from triggerflow.airflow import wakeups
+from triggerflow.airflow.events import APPLY
 from triggerflow.airflow.store import AirflowStore
 from triggerflow.store import KwargsProblem, ProcessKind
 from triggerflow.wire import Event
@@ -48,6 +51,28 @@ def resume(trigger_id: int, attempt: int, queue: str) -> Event:
     from triggerflow.airflow.codec import resume_body
 
     return Event(trigger_id, attempt, queue, "resume", resume_body(MOMENT), time.time())
+
+
+async def deferred_burst(dsn: str, n: int, first_index: int = 0) -> list[int]:
+    """``n`` deferred task instances of queue team-a, one DateTimeTrigger row each (map
+    indexes from ``first_index``); their trigger ids."""
+    from triggerflow.airflow.kwargs import encrypt_kwargs
+
+    conn = await asyncpg.connect(dsn)
+    try:
+        kwargs = encrypt_kwargs({"moment": MOMENT, "end_from_trigger": False})
+        return [r["id"] for r in await conn.fetch(
+            """WITH t AS (INSERT INTO "trigger" (classpath, kwargs, created_date, queue)
+                          SELECT $1, $2, now(), 'team-a' FROM generate_series(1, $3) RETURNING id)
+               INSERT INTO task_instance (id, task_id, dag_id, run_id, map_index, try_number,
+                   max_tries, pool, pool_slots, queue, priority_weight, state, trigger_id,
+                   next_method)
+               SELECT gen_random_uuid(), 'burst', 'tf_golden', 'manual__golden',
+                      $4 + row_number() OVER (ORDER BY t.id) - 1, 1, 0, 'default_pool', 1,
+                      'team-a', 1, 'deferred', t.id, 'execute_complete' FROM t
+               RETURNING trigger_id AS id""", DATETIME_TRIGGER, kwargs, n, first_index)]
+    finally:
+        await conn.close()
 
 
 async def test_claim_decodes_airflow_rows_of_my_queues_only(served: str) -> None:
@@ -120,6 +145,7 @@ async def test_kwargs_under_another_key_are_unreadable_here_not_invalid(served: 
         await store.close()
 
 
+@pytest.mark.serial  # timing bound (applied within 5 s): runs alone, after the parallel part
 async def test_dead_owner_is_reaped_and_its_stale_events_change_nothing(served: str) -> None:
     trigger_id = await defer(served, "t1", "team-a")
     store = await AirflowStore.connect(served)
@@ -191,12 +217,50 @@ async def test_sweep_and_clean_unused_after_a_task_is_marked_in_airflow(served: 
         await store.claim(me, [trigger_id], ["team-a"])
         assert await store.sweep_cancelled(me) == []
         await af.scalar(served, "UPDATE task_instance SET state = 'success' WHERE task_id = 'cleared'")
-        assert await store.sweep_cancelled(me) == [trigger_id]
+        # The writer's clean-up first: the trigger row and the bookkeeping go ...
         assert await store.clean_unused() == 1
         assert await af.scalar(served, 'SELECT count(*) FROM "trigger"') == 0
+        assert await af.scalar(served, "SELECT count(*) FROM triggerflow.trigger_state") == 0
         assert await af.scalar(
             served, "SELECT trigger_id FROM task_instance WHERE task_id = 'cleared'") is None
+        # ... and the consumer's sweep still finds the trigger it runs (issue 18: it did not).
+        assert await store.sweep_cancelled(me) == [trigger_id]
     finally:
+        await store.close()
+
+
+async def test_cancel_log_records_airflow_moves_not_triggerflows_and_notifies(
+        served: str) -> None:
+    from triggerflow.airflow.cancels import Kills
+
+    marked, timed_out, deleted, applied = [await defer(served, name, "team-a") for name in (
+        "marked", "timed_out", "deleted", "applied")]
+    await af.scalar(served, "UPDATE task_instance SET trigger_timeout = now() - interval '1 s' "
+                            "WHERE task_id = 'timed_out'")
+    store = await AirflowStore.connect(served)
+    store.cancel_log.kills = kills = Kills()
+    listener = await asyncpg.connect(served)
+    notified: list[str] = []
+    await listener.add_listener("triggerflow_airflow_cancel", lambda *a: notified.append(a[3]))
+    try:
+        # triggerflow's own sessions (the writer applying an event) are not logged ...
+        async with store.pool.acquire() as conn:
+            await conn.execute("UPDATE task_instance SET state = 'scheduled', trigger_id = NULL "
+                               "WHERE task_id = 'applied'")
+        assert await store.sweep_cancelled(1) == []
+        # ... Airflow's are: one transaction marking two, and a deleted task instance
+        await af.scalar(served, "UPDATE task_instance SET state = 'failed' "
+                                "WHERE task_id IN ('marked', 'timed_out')")
+        await af.scalar(served, "DELETE FROM task_instance WHERE task_id = 'deleted'")
+        assert sorted(await store.sweep_cancelled(1)) == sorted([marked, timed_out, deleted])
+        await wait_until(lambda: asyncio.sleep(0, len(notified) == 2), 5,
+                         message="one notification per transaction")
+        # on_kill() where Airflow calls it: not for a trigger whose timeout had passed
+        assert [kills.take(i) for i in (marked, timed_out, deleted, applied)] == [
+            True, False, True, False]
+        assert kills.take(marked) is False  # read once
+    finally:
+        await listener.close()
         await store.close()
 
 
@@ -220,24 +284,8 @@ async def test_listener_delivers_new_trigger_rows(served: str) -> None:
 
 async def test_a_burst_of_10000_events_is_two_statements(served: str) -> None:
     """Timing is printed, not asserted (benchmarks measure; tests check behaviour)."""
-    from triggerflow.airflow.kwargs import encrypt_kwargs
-
     n = 10_000
-    conn = await asyncpg.connect(served)
-    try:
-        kwargs = encrypt_kwargs({"moment": MOMENT, "end_from_trigger": False})
-        ids = [r["id"] for r in await conn.fetch(
-            """WITH t AS (INSERT INTO "trigger" (classpath, kwargs, created_date, queue)
-                          SELECT $1, $2, now(), 'team-a' FROM generate_series(1, $3) RETURNING id)
-               INSERT INTO task_instance (id, task_id, dag_id, run_id, map_index, try_number,
-                   max_tries, pool, pool_slots, queue, priority_weight, state, trigger_id,
-                   next_method)
-               SELECT gen_random_uuid(), 'burst', 'tf_golden', 'manual__golden',
-                      row_number() OVER (ORDER BY t.id) - 1, 1, 0, 'default_pool', 1,
-                      'team-a', 1, 'deferred', t.id, 'execute_complete' FROM t
-               RETURNING trigger_id AS id""", DATETIME_TRIGGER, kwargs, n)]
-    finally:
-        await conn.close()
+    ids = await deferred_burst(served, n)
     store = await AirflowStore.connect(served)
     try:
         me = await store.register(ProcessKind.CONSUMER, "h", 1, ["team-a"], n, "t", 30)
@@ -251,8 +299,9 @@ async def test_a_burst_of_10000_events_is_two_statements(served: str) -> None:
         started = time.perf_counter()
         await store.unused.flush()  # what the writer runs once the burst is over
         clean_s = time.perf_counter() - started
-        from triggerflow.airflow.kwargs import decode_kwargs
+        from triggerflow.airflow.kwargs import decode_kwargs, encrypt_kwargs
 
+        kwargs = encrypt_kwargs({"moment": MOMENT, "end_from_trigger": False})
         started = time.perf_counter()
         for _ in range(1000):
             decode_kwargs(kwargs)
@@ -264,6 +313,48 @@ async def test_a_burst_of_10000_events_is_two_statements(served: str) -> None:
         assert await af.scalar(
             served, "SELECT count(*) FROM task_instance WHERE state = 'scheduled'") == n
         assert await af.scalar(served, 'SELECT count(*) FROM "trigger"') == 0
+    finally:
+        await store.close()
+
+
+def _removed_by_join_filters(plan: dict[str, Any]) -> int:
+    return int(plan.get("Rows Removed by Join Filter", 0)) + sum(
+        _removed_by_join_filters(p) for p in plan.get("Plans", []))
+
+
+async def test_apply_plan_survives_statistics_of_emptied_trigger_tables(served: str) -> None:
+    """After a burst's clean-up, ANALYZE (autovacuum's) records trigger and trigger_state as
+    empty while their pages remain: the next burst's rows were then estimated at one, and
+    APPLY's joins rescanned the batch once per row (n x n comparisons; 33-38 s for 5,000
+    events in ``bench airflow``). Now each event finds its rows by index lookups."""
+    n = 1000
+    store = await AirflowStore.connect(served)
+    try:
+        me = await store.register(ProcessKind.CONSUMER, "h", 1, ["team-a"], 2 * n, "t", 30)
+        first = await deferred_burst(served, n)
+        await store.claim(me, first, ["team-a"])
+        assert len(await store.apply_events([resume(i, 1, "team-a") for i in first])) == n
+        await store.unused.flush()
+        conn = await asyncpg.connect(served)
+        try:
+            await conn.execute('ANALYZE "trigger", triggerflow.trigger_state')
+            second = await deferred_burst(served, n, first_index=n)
+            assert len((await store.claim(me, second, ["team-a"])).claimed) == n
+            events = [resume(i, 1, "team-a") for i in second]
+            rollback = conn.transaction()  # the plan, measured, then nothing kept
+            await rollback.start()
+            try:
+                plan = json.loads(await conn.fetchval(
+                    "EXPLAIN (ANALYZE, FORMAT JSON) " + APPLY,
+                    [e.trigger_id for e in events], [e.attempt for e in events],
+                    [e.queue for e in events], [e.kind for e in events],
+                    [e.payload for e in events], [e.fired_at for e in events], None))
+            finally:
+                await rollback.rollback()
+            assert _removed_by_join_filters(plan[0]["Plan"]) < n
+        finally:
+            await conn.close()
+        assert len(await store.apply_events(events)) == n
     finally:
         await store.close()
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import datetime
-import inspect
 import json
 from typing import Any
 
@@ -43,13 +42,6 @@ async def airflow_event(trigger: Any) -> tuple[EventKind, str]:
     return EventKind.RESUME, serde(event.payload)
 
 
-def has_target_time() -> bool:
-    """``DateTimeTrigger(target_time=...)`` exists from provider 1.21 on (pinned: 1.19)."""
-    from airflow.providers.standard.triggers.temporal import DateTimeTrigger
-
-    return "target_time" in inspect.signature(DateTimeTrigger.__init__).parameters
-
-
 def cases() -> list[Any]:
     from airflow.providers.standard.triggers.temporal import DateTimeTrigger, TimeDeltaTrigger
 
@@ -61,12 +53,11 @@ def cases() -> list[Any]:
         TimeDeltaTrigger(datetime.timedelta(seconds=-3.25)),
         TimeDeltaTrigger(datetime.timedelta(microseconds=-1), end_from_trigger=True),
     ]
-    if has_target_time():
-        forms += [
-            DateTimeTrigger(target_time="2026-11-30T10:15:07.123456+01:00"),  # type: ignore[call-arg]
-            DateTimeTrigger(target_time="2026-06-01 08:00:00",  # type: ignore[call-arg]
-                            end_from_trigger=True),
-        ]
+    # ``target_time`` (provider 1.21.0 on): what start_from_trigger rows carry.
+    forms += [
+        DateTimeTrigger(target_time="2026-11-30T10:15:07.123456+01:00"),
+        DateTimeTrigger(target_time="2026-06-01 08:00:00", end_from_trigger=True),
+    ]
     return forms
 
 
@@ -75,8 +66,6 @@ async def test_timer_payload_is_what_airflow_run_yields(index: int) -> None:
     from triggerflow.airflow.kwargs import build_trigger
     from triggerflow.airflow.timers import as_timer
 
-    if index >= len(cases()):
-        pytest.skip("target_time forms need apache-airflow-providers-standard >= 1.21")
     classpath, kwargs = stored(cases()[index])
     assert classpath == DATETIME_TRIGGER
     theirs = await airflow_event(build_trigger(classpath, kwargs))
@@ -122,9 +111,7 @@ def test_what_is_not_a_plain_timer_runs_as_airflows_coroutine() -> None:
     class Subclass(DateTimeTrigger):
         pass
 
-    if has_target_time():
-        templated = DateTimeTrigger(target_time="{{ data_interval_end }}")  # type: ignore[call-arg]
-        assert as_timer(templated) is None
+    assert as_timer(DateTimeTrigger(target_time="{{ data_interval_end }}")) is None
     assert as_timer(Subclass(moment=pendulum.now("UTC"))) is None
     assert as_timer(FileTrigger(filepath="/tmp/x")) is None
 

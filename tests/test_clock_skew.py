@@ -12,8 +12,7 @@ import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
-from tests.conftest import Processes, wait_until
-from tests.test_faults import consumer_id
+from tests.conftest import Processes, consumer_id, wait_until
 from tests.test_loops import QUEUE, far, fast_settings, key, running, until
 from tests.test_ops import free_port, scrape_when_up
 from tests.triggers import WaitsForever

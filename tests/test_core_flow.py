@@ -12,6 +12,8 @@ from datetime import UTC, datetime, timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import ROOT, Processes, settings_env, wait_until
 from tests.triggers import EventAfter, Mistaken, Raises, WaitsForever
 from triggerflow.model import TaskKey
@@ -126,6 +128,7 @@ async def test_timeout_fails_task_and_runs_cleanup(
                      message="cleanup() ran after the timeout")
 
 
+@pytest.mark.serial  # timing bound (cleanup within 3 s): runs alone, after the parallel part
 async def test_cancel_runs_cleanup_on_the_owner(
     client: TriggerflowClient, db: Database, procs: Processes, teams: list[str], tmp_path: Path
 ) -> None:

@@ -169,7 +169,7 @@ async def test_per_team_consumer_roles_as_documented_hold_team_a_to_its_own_rows
         assert await attacker.execute(
             "UPDATE task_instance SET state = 'success' WHERE queue = $1", teams[1]) == "UPDATE 0"
         assert await attacker.fetchval("SELECT count(*) FROM trigger_cancel_log") == 0
-        from triggerflow.store.postgres.statements import SWEEP_CANCELLED
+        from triggerflow.store.postgres.statements.claims import SWEEP_CANCELLED
         await attacker.fetch(SWEEP_CANCELLED, a_id)  # A's own sweep, run as A
     finally:
         await attacker.close()

@@ -6,14 +6,13 @@ from __future__ import annotations
 import asyncio
 import re
 import signal
-import subprocess
 import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import FAST, Processes, SuiteServices, states, wait_until
+from tests.conftest import FAST, Processes, SuiteServices, consumer_id, states, wait_until
 from tests.triggers import WaitsForever
 from triggerflow.model import TaskKey
 from triggerflow.sdk import Deferral, TriggerflowClient
@@ -35,13 +34,6 @@ async def owners(db: Database) -> dict[int | None, int]:
     return {r["owner_id"]: r["n"] for r in rows}
 
 
-async def consumer_id(db: Database, proc: subprocess.Popen[bytes]) -> int:
-    async def find() -> int | None:
-        return await db.fetchval(  # type: ignore[no-any-return]
-            "SELECT max(id) FROM consumer WHERE pid = $1 AND kind = 'consumer' "
-            "AND expires_at > now()", proc.pid)
-
-    return int(await wait_until(find, 15, message=f"consumer pid {proc.pid} registered"))
 
 
 async def all_owned_by(db: Database, owner: int, n: int) -> bool:
@@ -49,6 +41,7 @@ async def all_owned_by(db: Database, owner: int, n: int) -> bool:
         "SELECT count(*) = $2 FROM trigger WHERE owner_id = $1", owner, n)
 
 
+@pytest.mark.serial  # timing bound (a failover bound): runs alone, after the parallel part
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
 async def test_consumer_loss_fails_over_to_peer(
     client: TriggerflowClient, db: Database, procs: Processes, teams: list[str],
@@ -178,9 +171,10 @@ async def test_queue_deleted_and_redeclared_under_consumer(
     await broker.channel.queue_delete(teams[0])
     await broker.declare(teams)
     await broker.close()
-    # Within a couple of checks the consumer's subscription is renewed; later deferrals flow.
-    # (Wake-ups the ghost consumer swallowed before that are re-sent by the reaper.)
-    await asyncio.sleep(FAST["subscription_check_interval"] * 2 + 0.5)
+    # At the first check past a renewal interval the consumer's subscription is renewed;
+    # later deferrals flow. (Wake-ups the ghost swallowed before that are re-sent by the reaper.)
+    await asyncio.sleep(FAST["subscription_renew_interval"]
+                        + FAST["subscription_check_interval"] * 2 + 0.5)
     await client.defer_many(timers(50, 0.5, teams[0]))
     await wait_until(lambda: db.fetchval(
         "SELECT count(*) = 50 FROM task_instance WHERE state = 'scheduled'"),
@@ -232,6 +226,7 @@ async def test_broker_connection_closed_and_app_restarted_lose_nothing(
     assert await db.fetchval("SELECT count(*) FROM trigger") == 0
 
 
+@pytest.mark.serial  # timing bound (the restart must land mid-burst): runs alone, after the parallel part
 async def test_postgres_restart_mid_run_loses_no_event(
     client: TriggerflowClient, db: Database, procs: Processes, teams: list[str],
     services: SuiteServices,

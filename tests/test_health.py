@@ -6,25 +6,24 @@ bounded; nothing is timed."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import re
 import signal
-from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 from yarl import URL
 
-from tests.conftest import Processes, wait_until
-from tests.test_ops import cli, consumer_id, free_port, key, scrape_when_up, total, writer_up
+from tests.conftest import Processes, consumer_id, wait_until
+from tests.netproxy import tcp_proxy
+from tests.test_ops import cli, free_port, key, scrape_when_up, total, writer_up
 from tests.triggers import BlocksLoop, WaitsForever
 from triggerflow.refusals import ACCESS_ATTEMPTS
 from triggerflow.sdk import Deferral, TriggerflowClient
 from triggerflow.settings import Settings
 from triggerflow.store.postgres import Database
 from triggerflow.store.postgres.admin import QUEUE_GAUGES
-from triggerflow.store.postgres.statements import QUEUE_CONSUMERS
+from triggerflow.store.postgres.statements.reaper import QUEUE_CONSUMERS
 
 Probe = tuple[int, dict[str, Any]]
 
@@ -168,33 +167,6 @@ async def test_blocked_loop_fails_liveness_while_blocked(
     # The block ends, the loop ticks again, and the process is live (and then ready) again.
     await probe_until(port, "/livez", 200, timeout=60)
     await probe_until(port, "/readyz", 200, timeout=60)
-
-
-@contextlib.asynccontextmanager
-async def tcp_proxy(port: int, target: tuple[str, int]) -> AsyncIterator[asyncio.Server]:
-    """Forward ``127.0.0.1:port`` to ``target``; closing the server cuts every connection."""
-    links: set[asyncio.StreamWriter] = set()
-
-    async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        with contextlib.suppress(ConnectionError, OSError):
-            while data := await reader.read(65536):
-                writer.write(data)
-                await writer.drain()
-        writer.close()
-
-    async def accept(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        up_reader, up_writer = await asyncio.open_connection(*target)
-        links.update((writer, up_writer))
-        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
-
-    server = await asyncio.start_server(accept, "127.0.0.1", port)
-    try:
-        yield server
-    finally:
-        server.close()
-        for link in links:
-            link.close()
-        links.clear()
 
 
 async def test_lost_database_fails_readiness_naming_it(

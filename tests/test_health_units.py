@@ -79,6 +79,26 @@ async def test_a_renewed_subscription_stays_ready_a_dropped_one_does_not() -> No
     assert subs.problem() == "not connected (connecting)"
 
 
+async def test_a_healthy_subscription_is_renewed_once_per_renew_interval() -> None:
+    """Each renewal hides the subscription from the broker's lists for a moment (the
+    management API's until its next sample): a check renews only past ``renew_interval``,
+    and a dropped subscription is re-subscribed at once all the same."""
+    transport, subs = await _subscribed("q")
+    subs.renew_interval = 3600.0
+    first = subs._tags["q"]
+    await subs.check()
+    assert subs._tags["q"] == first  # within the interval: kept
+
+    transport.broker.cancel_subscription(first)
+    await subs.check()
+    dropped_and_back = subs._tags["q"]
+    assert dropped_and_back != first
+
+    subs.renew_interval = 0.0
+    await subs.check()
+    assert subs._tags["q"] != dropped_and_back  # past the interval: renewed
+
+
 def test_readiness_names_each_check_and_survives_a_broken_one() -> None:
     health = Health()
     assert health.ready() == (False, {"process": "starting"})

@@ -166,6 +166,7 @@ async def test_non_utf8_file_name_ends_the_task_with_a_readable_failure(
         "WHERE task_id = 'after'"), 15)
 
 
+@pytest.mark.serial  # timing bound (cancelled within 2 s): runs alone, after the parallel part
 async def test_forged_cancel_is_ignored_and_squatted_control_names_change_nothing(
     client: TriggerflowClient, db: Database, procs: Processes, teams: list[str],
     settings: Settings, tmp_path: Path,

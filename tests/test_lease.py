@@ -96,6 +96,7 @@ def scripted(*renewals: Renewal | Exception | None) -> tuple[ScriptedStore, Leas
     return store, lease
 
 
+@pytest.mark.serial  # timing bound (0.1 s between setting and reading the lease): runs alone, after the parallel part
 async def test_readiness_names_what_is_wrong_with_the_lease_and_the_store() -> None:
     _, lease = scripted()
     assert lease.problem() == "not registered"
@@ -186,3 +187,23 @@ async def test_registration_is_retried_while_the_store_is_down_and_leave_names_t
     assert store.register_args == [row, row]
     await lease.leave()
     assert store.unregistered == [41]
+
+
+async def test_a_fenced_lease_holds_nothing_until_registered_anew_under_a_new_id() -> None:
+    """What a claim or take-over checks after its statement: the lease still valid under the
+    id it ran with. Re-registering after LeaseLost invalidates at once, before the store
+    answers: a claim that commits meanwhile must not run what it took."""
+    store, lease = scripted(None)
+    old = await lease.register()
+    assert lease.holds(old) and not lease.holds(old + 1)
+    with pytest.raises(LeaseLost):
+        await lease.renew(0)  # expired in the store
+    store.refuse_next_registration = True  # the first try fails: the retry waits >= 0.5 s
+    registering = asyncio.create_task(lease.register_anew())
+    async with asyncio.timeout(10):
+        while not store.register_args[1:]:  # noqa: ASYNC110 - polls the scripted store
+            await asyncio.sleep(0.01)
+    assert not lease.valid() and not lease.holds(old)  # invalid while it registers
+    new = await registering
+    assert new == lease.me != old
+    assert lease.holds(new) and not lease.holds(old)

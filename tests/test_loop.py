@@ -31,6 +31,7 @@ def shared(loop: Any) -> list[Any]:
     return [t for t in loop._heap if not t.cancelled()]
 
 
+@pytest.mark.serial  # timing bound (woken within 0.25 s): runs alone, after the parallel part
 def test_a_trigger_tasks_long_sleep_is_on_the_shared_heap_and_wakes_on_time() -> None:
     async def main() -> None:
         loop: Any = asyncio.get_running_loop()
@@ -61,6 +62,7 @@ def test_a_trigger_tasks_long_sleep_is_on_the_shared_heap_and_wakes_on_time() ->
     run(main())
 
 
+@pytest.mark.serial  # timing bound (timed out within 0.4 s): runs alone, after the parallel part
 def test_timeouts_cancel_and_the_heap_drops_cancelled_entries() -> None:
     async def main() -> None:
         loop: Any = asyncio.get_running_loop()

@@ -11,9 +11,9 @@ from datetime import timedelta
 
 import pytest
 
-from tests.conftest import Processes, wait_until
+from tests.conftest import Processes, consumer_id, wait_until
 from tests.test_loops import QUEUE, fast_settings, running, until
-from tests.test_ops import consumer_id, free_port, key, scrape_when_up, total
+from tests.test_ops import free_port, key, scrape_when_up, total
 from tests.test_stuck import _sent
 from tests.triggers import BlocksLoop, EventAfter
 from triggerflow.consumer import Consumer

@@ -11,8 +11,8 @@ from datetime import timedelta
 
 import pytest
 
+from triggerflow.balance import excess, uneven
 from triggerflow.consumer import Consumer
-from triggerflow.consumer.rebalance import excess
 from triggerflow.model import EventKind, TaskKey, TaskState
 from triggerflow.settings import Settings
 from triggerflow.store import Applied, ClaimResult, ProcessKind, StoreError, StoreUnavailable
@@ -472,6 +472,14 @@ def test_rebalance_sheds_only_real_excess() -> None:
     # The bounds themselves: exactly 125% of the share sheds nothing, exactly 20 over sheds.
     assert excess(mine=500, live_peers=2, peers_running=800, max_shed=1000) == 0
     assert excess(mine=26, live_peers=2, peers_running=10, max_shed=1000) == 20
+
+
+def test_store_reads_peers_often_exactly_while_a_shed_is_due() -> None:
+    # The store's "uneven" (peers read on every renewal) is the consumer's "excess > 0".
+    cases = [(100, 1, 100), (60, 2, 100), (70, 2, 80), (20, 2, 20), (500, 2, 800), (26, 2, 10)]
+    for mine, live, held in cases:
+        assert uneven(mine, live, held) == (excess(mine, live, held, max_shed=10**6) > 0)
+    assert uneven(70, 2, 80) and not uneven(60, 2, 100)
 
 
 # ----------------------------------------------------------------------------- cancellation

@@ -16,9 +16,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import ROOT, Processes, settings_env, wait_until
+from tests.conftest import ROOT, START_WAIT, Processes, consumer_id, settings_env, wait_until
 from tests.triggers import BlocksLoop, EventAfter, Killer, Raises, Spins, WaitsForever
 from triggerflow.model import TaskKey
 from triggerflow.sdk import Deferral, TriggerflowClient
@@ -78,19 +79,12 @@ async def cli(settings: Settings, *args: str, **overrides: Any) -> subprocess.Co
     )
 
 
-async def consumer_id(db: Database, proc: subprocess.Popen[bytes]) -> int:
-    async def find() -> int | None:
-        return await db.fetchval(  # type: ignore[no-any-return]
-            "SELECT max(id) FROM consumer WHERE pid = $1 AND kind = 'consumer' "
-            "AND expires_at > now()", proc.pid)
-
-    return int(await wait_until(find, 20, message=f"consumer pid {proc.pid} registered"))
 
 
 async def writer_up(db: Database, proc: subprocess.Popen[bytes]) -> None:
     await wait_until(lambda: db.fetchval(
         "SELECT count(*) = 1 FROM consumer WHERE pid = $1 AND kind = 'writer'", proc.pid),
-        20, message="writer registered")
+        START_WAIT, message="writer registered")
 
 
 # ----------------------------------------------------------------------------- metrics
@@ -287,6 +281,7 @@ async def test_one_trace_from_defer_through_fire_to_write(
 # ----------------------------------------------------------------------------- blocked loop
 
 
+@pytest.mark.serial  # timing bound (a 0.2-0.8 s window): runs alone, after the parallel part
 async def test_sleeping_trigger_is_named_in_a_warning_and_a_metric(
     client: TriggerflowClient, db: Database, procs: Processes, teams: list[str]
 ) -> None:

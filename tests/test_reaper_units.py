@@ -291,10 +291,17 @@ class Me:
     me = 7
 
 
+class Admitting:
+    """The consumer's admission as probation sees it: the claim lock and the room left."""
+
+    def __init__(self, room: list[int]) -> None:
+        self.lock = asyncio.Lock()
+        self.room = lambda: room[0]
+
+
 def on_probation(store: Suspects, room: list[int], started: list[int]) -> asyncio.Task[None]:
-    probation = Probation(store, Me(), ["a"], asyncio.Lock(),  # type: ignore[arg-type]
-                          lambda spec: started.append(spec.id), seconds=0.01,
-                          room=lambda: room[0])
+    probation = Probation(store, Me(), ["a"], Admitting(room),  # type: ignore[arg-type]
+                          lambda spec: started.append(spec.id), seconds=0.01)
     probation.suspects.set()
     return asyncio.create_task(probation.run())
 

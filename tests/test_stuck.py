@@ -217,6 +217,7 @@ class FlakyStore(MemoryStore):
         await super().clear_probation(me, ids)
 
 
+@pytest.mark.serial  # timing bound (requeued within 3 s): runs alone, after the parallel part
 async def test_a_failed_claim_requeues_its_wakeups_at_once() -> None:
     store = FlakyStore(claims=1)
     mem = InMemory(store)
@@ -254,7 +255,7 @@ async def test_transient_errors_in_sweep_and_probation_do_not_stop_the_consumer(
         store.triggers[sus].failures = 2
         consumer.probation.suspects.set()
         await until(lambda: store.clears == 0 and store.triggers[sus].failures == 0, timeout=8)
-        assert all(not t.done() for t in consumer._tasks)
+        assert all(not t.done() for t in consumer.tasks.tasks)
 
 
 # ----------------------------------------------------------------------------- reconciliation

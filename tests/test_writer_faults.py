@@ -16,7 +16,7 @@ import aio_pika
 import asyncpg
 import pytest
 
-from tests.conftest import Processes, SuiteServices, wait_until
+from tests.conftest import START_WAIT, Processes, SuiteServices, wait_until
 from tests.test_faults import close_connections
 from triggerflow.settings import Settings
 from triggerflow.store.postgres import Database
@@ -129,7 +129,7 @@ async def test_writer_fault_between_commit_and_ack_applies_each_event_once(
     services.owned("amqp")
     writer = procs.writer(**WAITS_FOR_THE_LOCK)
     await wait_until(lambda: db.fetchval("SELECT count(*) FROM consumer WHERE kind = 'writer'"),
-                     15, message="writer registered")
+                     START_WAIT, message="writer registered")
     ids = await make_deferred(db, teams[0], BURST)
     async with spy(settings) as spy_q:
         async with row_lock(dsn, ids[0]):
@@ -163,7 +163,7 @@ async def test_writer_rides_out_database_errors_that_are_not_a_lost_connection(
     services.owned("pg")
     writer = procs.writer(**WAITS_FOR_THE_LOCK)
     await wait_until(lambda: db.fetchval("SELECT count(*) FROM consumer WHERE kind = 'writer'"),
-                     15, message="writer registered")
+                     START_WAIT, message="writer registered")
     ids = await make_deferred(db, teams[0], 200)
     admin = await asyncpg.connect(f"{pg_server}/postgres",
                                   server_settings={"default_transaction_read_only": "off"})
@@ -194,7 +194,7 @@ async def test_writer_rides_out_its_backend_killed_mid_statement(
     statement in flight): the batch goes again on a new connection."""
     writer = procs.writer(**WAITS_FOR_THE_LOCK)
     await wait_until(lambda: db.fetchval("SELECT count(*) FROM consumer WHERE kind = 'writer'"),
-                     15, message="writer registered")
+                     START_WAIT, message="writer registered")
     ids = await make_deferred(db, teams[0], 500)
     async with row_lock(dsn, ids[0]):
         await publish_burst(settings, teams[0], ids)

@@ -27,18 +27,25 @@ from _pytest.runner import runtestprotocol
 
 from tools.sql_mutants import mutants
 
-# (store label, module, constant, the pytest id part of that store's cases)
-NATIVE = "triggerflow.store.postgres.statements"
-AIRFLOW = "triggerflow.airflow.statements"
+# (module, constant, the pytest id part of that store's cases): the statements by role
+NATIVE = "triggerflow.store.postgres.statements."
+AIRFLOW = "triggerflow.airflow.statements."
 TARGETS: list[tuple[str, str, str]] = [
-    *((NATIVE, name, "postgres") for name in (
-        "CLAIM", "CLAIM_PROBATION", "APPLY_EVENTS", "REAP_DEAD", "RELEASE", "RELEASE_LOST",
-        "SWEEP_CANCELLED", "TIMEOUT_ORPHANS", "CANCEL", "STRIKE")),
-    *((AIRFLOW, name, "airflow") for name in (
-        "CLAIM", "CLAIM_PROBATION", "REAP_DEAD", "RELEASE", "RELEASE_LOST", "SWEEP_CANCELLED",
-        "STRIKE")),
+    *((NATIVE + module, name, "postgres") for module, name in (
+        ("claims", "CLAIM"), ("claims", "CLAIM_PROBATION"), ("writer", "APPLY_EVENTS"),
+        ("reaper", "REAP_DEAD"), ("claims", "RELEASE"), ("claims", "RELEASE_LOST"),
+        ("claims", "SWEEP_CANCELLED"), ("reaper", "TIMEOUT_ORPHANS"), ("deferral", "CANCEL"),
+        ("claims", "STRIKE"))),
+    *((AIRFLOW + module, name, "airflow") for module, name in (
+        ("claims", "CLAIM"), ("claims", "CLAIM_PROBATION"), ("reaper", "REAP_DEAD"),
+        ("claims", "RELEASE"), ("claims", "RELEASE_LOST"), ("claims", "STRIKE"))),
     ("triggerflow.airflow.events", "APPLY", "airflow"),
+    ("triggerflow.airflow.cancels", "CREATE", "airflow"),
+    ("triggerflow.airflow.liveness", "UNSERVED_QUEUES", "airflow"),
 ]
+# Statements no store method runs: their cases are a test module's, all of it.
+OWN_CASES = {"CREATE": "tests/test_airflow_cancel_log.py",
+             "UNSERVED_QUEUES": "tests/test_airflow_liveness.py"}
 # Store classes, and which of their methods run which constant (read from their source).
 STORES = {"postgres": "triggerflow.store.postgres.store:PostgresStore",
           "airflow": "triggerflow.airflow.store:AirflowStore"}
@@ -79,12 +86,13 @@ def _load(spec: str) -> Any:
     return getattr(mod, attr) if attr else mod
 
 
-def _methods_using(store: str, statement: str) -> set[str]:
+def _methods_using(store: str, module: str, statement: str) -> set[str]:
     if (store, statement) in INDIRECT:
         return {INDIRECT[store, statement]}
     cls = _load(STORES[store])
+    alias = module.rsplit(".", 1)[-1]  # the store imports each statement module by its name
     return {name for name, fn in vars(cls).items() if inspect.isfunction(fn)
-            and re.search(rf"\bsql\.{statement}\b", inspect.getsource(fn))}
+            and re.search(rf"\b{alias}\.{statement}\b", inspect.getsource(fn))}
 
 
 class Recorder:
@@ -152,8 +160,7 @@ def pytest_runtestloop(session: pytest.Session) -> bool | None:
             continue
         module: ModuleType = _load(module_name)
         original = getattr(module, name)
-        callers = set().union(*(recorder.calls[f"{store}.{m}"] for m in _methods_using(store, name)))
-        cases = [i for i in items if i.nodeid in callers and f"[{store}" in i.nodeid]
+        cases = _cases(items, recorder, store, module_name, name)
         kills: dict[str, int] = defaultdict(int)  # a case that killed a mutant goes first next
         for mutant in mutants(original, before=SCOPE.get((store, name))):
             before = kept.get((store, name, mutant.description))
@@ -182,6 +189,17 @@ def pytest_runtestloop(session: pytest.Session) -> bool | None:
                 f"{result.outcome:8} {store}.{name} {mutant.description} {result.by}")
     _report(config, _table(results, time.monotonic() - started))
     return True
+
+
+def _cases(items: list[pytest.Item], recorder: Recorder, store: str, module: str,
+           name: str) -> list[pytest.Item]:
+    """The cases that run statement ``name``: its own module's, else the store's cases that
+    called a method using it in the baseline."""
+    if name in OWN_CASES:
+        return [i for i in items if i.nodeid.startswith(OWN_CASES[name] + "::")]
+    callers = set().union(*(recorder.calls[f"{store}.{m}"]
+                            for m in _methods_using(store, module, name)))
+    return [i for i in items if i.nodeid in callers and f"[{store}" in i.nodeid]
 
 
 def _kept(path: str, again: str) -> dict[tuple[str, str, str], Result]:
@@ -230,7 +248,8 @@ def _table(results: list[Result], seconds: float) -> str:
 def main() -> int:
     """``python -m tools.mutate_sql [pytest args]``: the contract suite on both SQL stores."""
     return int(pytest.main(["-q", "-p", "tools.mutate_sql", "--mutate",
-                            "tests/contract", "-k", "postgres or airflow", *sys.argv[1:]]))
+                            "tests/contract", *OWN_CASES.values(),
+                            "-k", "postgres or airflow or test_airflow_", *sys.argv[1:]]))
 
 
 if __name__ == "__main__":

@@ -62,8 +62,20 @@ def _tokens(sql: str) -> tuple[str, list[_Tok]]:
     return clean, tokens
 
 
-def _is_boundary(tok: _Tok) -> bool:
-    return tok.text.lower() in _BOUNDARY
+def _is_boundary(tokens: list[_Tok], j: int) -> bool:
+    """``FROM`` in ``IS [NOT] DISTINCT FROM`` is inside a comparison, not a boundary."""
+    word = tokens[j].text.lower()
+    if word == "from" and j > 0 and tokens[j - 1].text.lower() == "distinct":
+        return False
+    return word in _BOUNDARY
+
+
+def _is_connective(tokens: list[_Tok], i: int) -> bool:
+    """A boolean ``AND``/``OR`` (not DDL's ``CREATE OR REPLACE``)."""
+    word = tokens[i].text.lower()
+    if word == "or" and i + 1 < len(tokens) and tokens[i + 1].text.lower() == "replace":
+        return False
+    return word in ("and", "or")
 
 
 def _operand_end(tokens: list[_Tok], i: int) -> int:
@@ -72,7 +84,7 @@ def _operand_end(tokens: list[_Tok], i: int) -> int:
     j = i + 1
     while j < len(tokens):
         tok = tokens[j]
-        if tok.depth < depth or (tok.depth == depth and _is_boundary(tok)):
+        if tok.depth < depth or (tok.depth == depth and _is_boundary(tokens, j)):
             break
         j += 1
     return j - 1
@@ -84,7 +96,7 @@ def _operand_start(tokens: list[_Tok], i: int) -> int:
     j = i - 1
     while j >= 0:
         tok = tokens[j]
-        if tok.depth < depth or (tok.depth == depth and _is_boundary(tok)):
+        if tok.depth < depth or (tok.depth == depth and _is_boundary(tokens, j)):
             break
         j -= 1
     return j + 1
@@ -109,8 +121,7 @@ def mutants(sql: str, before: str | None = None) -> list[Mutant]:
         found.setdefault(" ".join(text.split()), Mutant(f"L{line}: {description}", text))
 
     for i, tok in enumerate(tokens):
-        word = tok.text.lower()
-        if word in ("and", "or"):
+        if _is_connective(tokens, i):
             last = _operand_end(tokens, i)
             if last > i:  # drop "AND right"
                 add(f"drop `{_shown(clean[tok.start:tokens[last].end])}`",

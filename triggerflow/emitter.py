@@ -12,6 +12,7 @@ import logging
 import time
 from collections import defaultdict
 
+from triggerflow.lifecycle import Background
 from triggerflow.settings import Settings
 from triggerflow.telemetry import get_metrics
 from triggerflow.transport import Transport
@@ -33,7 +34,7 @@ class EventSink:
         self.max_message_bytes = settings.max_event_message_bytes
         self._buffer: list[Event] = []
         self._flush_handle: asyncio.TimerHandle | None = None
-        self._inflight: set[asyncio.Task[None]] = set()
+        self._inflight = Background()  # publishes in flight
         self._retry = asyncio.Event()
 
     def add(self, event: Event) -> None:
@@ -56,9 +57,7 @@ class EventSink:
         for queue, of_queue in by_queue.items():
             # Writers refuse messages over the cap unread: big payloads go in more messages.
             for part in split_by_size(of_queue, self.max_message_bytes):
-                task = asyncio.get_running_loop().create_task(self._publish(queue, part))
-                self._inflight.add(task)
-                task.add_done_callback(self._inflight.discard)
+                self._inflight.spawn(self._publish(queue, part))
 
     async def _publish(self, queue: str, events: list[Event]) -> None:
         try:
@@ -85,13 +84,13 @@ class EventSink:
 
     @property
     def pending(self) -> int:
-        return len(self._buffer) + len(self._inflight)
+        return len(self._buffer) + len(self._inflight.tasks)
 
     async def drain(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and (self._buffer or self._inflight):
+        while time.monotonic() < deadline and (self._buffer or self._inflight.tasks):
             self.flush()
-            if self._inflight:
-                await asyncio.wait(list(self._inflight), timeout=deadline - time.monotonic())
+            if self._inflight.tasks:
+                await self._inflight.wait(timeout=deadline - time.monotonic())
             elif self._buffer:
                 await asyncio.sleep(0.2)

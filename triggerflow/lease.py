@@ -20,7 +20,7 @@ from triggerflow import __version__
 from triggerflow.errors import TriggerflowError
 from triggerflow.refusals import Refusals
 from triggerflow.skew import ClockCheck
-from triggerflow.store import ProcessKind, Renewal, Store, StoreAccessRefused, StoreError
+from triggerflow.store import LeaseStore, ProcessKind, Renewal, StoreAccessRefused, StoreError
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ class Lease:
     database's into :attr:`clock_check`, whose bound is ``max_clock_skew`` seconds.
     """
 
-    def __init__(self, store: Store, kind: ProcessKind, *, queues: Sequence[str] = (),
+    def __init__(self, store: LeaseStore, kind: ProcessKind, *, queues: Sequence[str] = (),
                  capacity: int = 0, ttl: float, renew_interval: float,
                  max_clock_skew: float = float("inf"),
                  clock: Callable[[], float] = time.time) -> None:
@@ -92,6 +92,11 @@ class Lease:
 
     def valid(self) -> bool:
         return asyncio.get_running_loop().time() <= self.deadline
+
+    def holds(self, me: int) -> bool:
+        """Whether the lease is still valid under the id ``me`` (read before a claim or a
+        take-over): False once fenced or registered anew while the statement ran."""
+        return me == self.me and self.valid()
 
     async def register(self) -> int:
         """Register (retrying while the store is down); returns the new id. Raises
@@ -152,6 +157,12 @@ class Lease:
         self.renewed_at = time.monotonic()
         self.deadline = sent + self.budget
         return result
+
+    async def register_anew(self) -> int:
+        """After :class:`LeaseLost`: invalid at once (nothing is claimed or emitted under the
+        old id meanwhile), then registered under a new id, which it returns."""
+        self.deadline = 0.0
+        return await self.register()
 
     async def keep(self, *, subscribed: bool) -> None:
         """Renew a lease that fences nothing (a writer holds no triggers): no deadline, and

@@ -23,12 +23,12 @@ if TYPE_CHECKING:
     from triggerflow.loader import Loader
     from triggerflow.reaper import Reaper
     from triggerflow.settings import Settings
-    from triggerflow.store import Store
+    from triggerflow.store import SdkStore, ServingStore
     from triggerflow.store.gauges import GaugeSource
     from triggerflow.store.postgres import PostgresStore
     from triggerflow.transport import Transport
 
-StoreT = TypeVar("StoreT", bound="Store")
+StoreT = TypeVar("StoreT", bound="ServingStore")
 
 
 class Mode(Protocol[StoreT]):
@@ -43,6 +43,11 @@ class Mode(Protocol[StoreT]):
     async def connect_store(self, *, max_size: int | None = None,
                             lock_timeout: float | None = None) -> StoreT:
         """The store, connected; ``lock_timeout``: the writer's bound on row-lock waits."""
+        ...
+
+    async def connect_deferrals(self, *, max_size: int | None = None) -> SdkStore:
+        """The store the SDK defers and cancels through; raises ``StoreError`` in a mode
+        where tasks defer some other way."""
         ...
 
     def loader(self) -> Loader:
@@ -95,6 +100,9 @@ class NativeMode:
             settings.database_dsn(), max_size=max_size or settings.db_pool_size,
             pgbouncer=settings.pgbouncer, codec=kwargs_codec(settings),
             lock_timeout=lock_timeout)
+
+    async def connect_deferrals(self, *, max_size: int | None = None) -> PostgresStore:
+        return await self.connect_store(max_size=max_size)
 
     def loader(self) -> Loader:
         from triggerflow.loader import TriggerLoader

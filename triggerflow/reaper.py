@@ -15,7 +15,7 @@ from contextlib import AbstractAsyncContextManager
 from typing import Protocol
 
 from triggerflow.settings import Settings
-from triggerflow.store import Reaped, Store, Taker, TriggerRef, TriggerSpec
+from triggerflow.store import Reaped, ReaperStore, Taker, TriggerRef, TriggerSpec
 from triggerflow.telemetry import get_metrics
 from triggerflow.transport import Transport, TransportUnavailable, Unroutable
 
@@ -23,9 +23,10 @@ log = logging.getLogger(__name__)
 
 
 class Local(Protocol):
-    """The consumer a reaper runs in. It takes freed triggers first: a stalled peer still
-    subscribed to the queue (SIGSTOP, a blocked loop) would otherwise receive its share of
-    the re-sent wake-ups and sit on them until the broker's heartbeat gives up on it."""
+    """The admission of the consumer a reaper runs in (``consumer.admission``). It takes
+    freed triggers first: a stalled peer still subscribed to the queue (SIGSTOP, a blocked
+    loop) would otherwise receive its share of the re-sent wake-ups and sit on them until
+    the broker's heartbeat gives up on it."""
 
     def taking(self) -> AbstractAsyncContextManager[Taker | None]:
         """Holds claims and shutdown off while a take-over runs; None: take nothing now."""
@@ -43,7 +44,7 @@ class Local(Protocol):
 class Reaper:
     """Sweeps for one process; ``local`` is the consumer it runs in (a writer's has none)."""
 
-    def __init__(self, store: Store, transport: Transport, settings: Settings,
+    def __init__(self, store: ReaperStore, transport: Transport, settings: Settings,
                  local: Local | None = None) -> None:
         self.store = store
         self.transport = transport

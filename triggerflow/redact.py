@@ -11,6 +11,20 @@ from triggerflow.settings import Settings
 _USERINFO = re.compile(r"(?P<scheme>[a-z][a-z0-9+.-]*://)(?P<user>[^:/@\s]*):[^@\s]*@", re.I)
 
 
+def _url(url: str) -> URL | None:
+    """``url`` parsed; a host list (``h1:5432,h2:5432``, a primary and its standbys) is not a
+    URL yarl reads, so its first host stands for all (the password is the same)."""
+    try:
+        return URL(url)
+    except ValueError:
+        head, sep, rest = url.partition("://")
+        authority, slash, tail = rest.partition("/")
+        try:
+            return URL(f"{head}{sep}{authority.split(',')[0]}{slash}{tail}")
+        except ValueError:
+            return None  # the regex above still hides its password
+
+
 class Redactor:
     """Removes the passwords of the configured URLs (and of any URL) from text."""
 
@@ -18,9 +32,10 @@ class Redactor:
         self.secrets: list[str] = []
         for url in (settings.amqp_url.get_secret_value(), settings.database_url.get_secret_value(),
                     settings.management_dsn()):
-            password = URL(url).raw_password
-            if password:
-                self.secrets += {password, URL(url).password or password}
+            parsed = _url(url)
+            password = parsed.raw_password if parsed is not None else None
+            if password and parsed is not None:
+                self.secrets += {password, parsed.password or password}
         for keys in (settings.kwargs_key, *settings.kwargs_keys.values()):
             if keys is not None:
                 self.secrets.append(keys.get_secret_value())

@@ -28,10 +28,8 @@ log = logging.getLogger(__name__)
 class Held:
     """One trigger this process runs. Slotted: 100k of these must stay small."""
 
-    __slots__ = (
-        "attempt", "classpath", "deadline", "id", "queue", "task", "task_key", "timeout_at",
-        "timer_cls", "traceparent",
-    )
+    __slots__ = ("attempt", "classpath", "deadline", "id", "queue", "task", "task_key",
+                 "timeout_at", "timer_cls", "traceparent")
 
     def __init__(
         self, id: int, attempt: int, queue: str, classpath: str, task_key: str | None,
@@ -63,10 +61,8 @@ EmitManyFn = Callable[[list[Held], EventKind, Any], None]
 
 def failure(reason: FailureReason, message: str, tb: str | None = None) -> dict[str, Any]:
     """The ``next_kwargs`` of a ``__fail__`` resume, as Airflow builds it."""
-    payload: dict[str, Any] = {"error": str(reason), "message": message}
-    if tb:
-        payload["traceback"] = tb.splitlines()
-    return payload
+    return {"error": str(reason), "message": message,
+            **({"traceback": tb.splitlines()} if tb else {})}
 
 
 # Due timers fired per loop pass. 50,000 due at one instant fired in one callback held the
@@ -272,6 +268,8 @@ class TriggerRunner:
         """The trigger's first event, exception or cancellation: finish it, then close it."""
         assert isinstance(task, _TriggerTask)
         held = task.held
+        if self._next_event(task):
+            return
         if task.cancelled():
             # Every cancel of ours takes the trigger out of ``running`` first: one still
             # there raised CancelledError itself, and would leave its task deferred.
@@ -289,6 +287,8 @@ class TriggerRunner:
                         FailureReason.TRIGGER_FAILURE,
                         f"trigger {held.classpath} yielded {type(event).__name__}, "
                         "not a TriggerEvent"))
+            elif isinstance(exc, StopAsyncIteration) and task.trigger.keeps_running:
+                self._finish_quietly(held)  # ran to its end after its events: nothing to say
             elif isinstance(exc, StopAsyncIteration):
                 self._finish(held, EventKind.FAIL, failure(
                     FailureReason.TRIGGER_FAILURE,
@@ -302,6 +302,24 @@ class TriggerRunner:
             self._close(held, task.trigger, task.agen))
         self._cleanups.add(closing)
         closing.add_done_callback(self._cleanups.discard)
+
+    def _next_event(self, task: _TriggerTask) -> bool:
+        """A ``keeps_running`` trigger's event: emitted, its generator stepped on in a new task."""
+        held = task.held
+        if not (task.trigger.keeps_running and not task.cancelled()
+                and task.exception() is None and self.running.get(held.id) is held
+                and isinstance(event := task.result(), TriggerEvent)):
+            return False
+        self._emit_safely(held, event.kind, event.payload)
+        if self.running.get(held.id) is not held:  # cancelled by what the emit did
+            return False
+        following = _TriggerTask(task.agen.__anext__(), loop=asyncio.get_running_loop(),
+                                 name=_TASK_NAME)
+        _unregister_task(following)
+        following.agen, following.held, following.trigger = task.agen, held, task.trigger
+        following.add_done_callback(self._on_done, context=self._callback_context)
+        held.task = following
+        return True
 
     async def _close(self, held: Held, trigger: BaseTrigger, agen: Any) -> None:
         try:
@@ -319,6 +337,11 @@ class TriggerRunner:
             del self.running[held.id]
             self._forget_heap_entry(held)
             self._emit_safely(held, kind, payload)
+
+    def _finish_quietly(self, held: Held) -> None:
+        if self.running.get(held.id) is held:
+            del self.running[held.id]
+            self._forget_heap_entry(held)
 
     def _forget_heap_entry(self, held: Held) -> None:
         """Count the entry of a trigger that ended early; compact once most are stale.

@@ -28,7 +28,7 @@ from triggerflow.codec import KwargsCodec
 from triggerflow.errors import TriggerflowError
 from triggerflow.model import TaskKey, is_allowed
 from triggerflow.settings import Settings
-from triggerflow.store import NewDeferral, Store, StoreUnavailable
+from triggerflow.store import NewDeferral, SdkStore, StoreUnavailable
 from triggerflow.telemetry import current_traceparent, tracer
 from triggerflow.transport import PublishRefused, Transport, TransportUnavailable, Unroutable
 from triggerflow.triggers.base import BaseTrigger, TimerTrigger, usable_deadline
@@ -43,13 +43,13 @@ class DeferralError(TriggerflowError, ValueError):
 
 
 # (settings, max store connections) -> a connected store and an unconnected transport.
-Connect = Callable[[Settings, int], Awaitable[tuple[Store, Transport]]]
+Connect = Callable[[Settings, int], Awaitable[tuple[SdkStore, Transport]]]
 
 
-async def _connect_real(settings: Settings, max_connections: int) -> tuple[Store, Transport]:
-    from triggerflow.wiring import connect_store, make_transport
+async def _connect_real(settings: Settings, max_connections: int) -> tuple[SdkStore, Transport]:
+    from triggerflow.wiring import connect_deferral_store, make_transport
 
-    store = await connect_store(settings, max_size=max_connections)
+    store = await connect_deferral_store(settings, max_size=max_connections)
     return store, make_transport(settings, name="triggerflow-sdk")
 
 
@@ -105,7 +105,7 @@ class TriggerflowClient:
         self.max_connections = max_connections
         self.codec = KwargsCodec.from_secrets(self.settings.kwargs_key, self.settings.kwargs_keys)
         self._connect_fn = connect or _connect_real
-        self._store: Store | None = None
+        self._store: SdkStore | None = None
         self._transport: Transport | None = None
         self._lock: asyncio.Lock | None = None
         self._routable: set[str] = set()
@@ -117,7 +117,7 @@ class TriggerflowClient:
         self._lock = None
         self._routable.clear()
 
-    async def _connect(self) -> tuple[Store, Transport]:
+    async def _connect(self) -> tuple[SdkStore, Transport]:
         if self._lock is None:
             self._lock = asyncio.Lock()
         async with self._lock:
@@ -213,7 +213,7 @@ class TriggerflowClient:
         return ids
 
     @staticmethod
-    async def _record(store: Store, rows: list[NewDeferral]) -> list[int]:
+    async def _record(store: SdkStore, rows: list[NewDeferral]) -> list[int]:
         """Write the deferral; ride out a store restart (a pool's dead connection).
 
         A retry after a commit whose answer was lost leaves one spare trigger row, which the

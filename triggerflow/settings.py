@@ -144,8 +144,9 @@ class Settings(BaseModel):
     default_queue: str | None = Field(
         None,
         description=(
-            "Airflow mode: the queue of trigger rows that have none. Unset: such rows are left "
-            "to Airflow's own triggerer."
+            "Airflow mode: the queue of trigger rows that have none (asset watchers, "
+            "deadline callbacks, tasks deferred before `queues_enabled`). Unset: such rows are "
+            "left to Airflow's own triggerer."
         ),
     )
     airflow_resume_delay: Duration = Field(
@@ -199,6 +200,12 @@ class Settings(BaseModel):
     )
     subscription_check_interval: Duration = Field(
         seconds(3.0), gt=ZERO, description="Seconds between checks that the broker still delivers to us."
+    )
+    subscription_renew_interval: Duration = Field(
+        seconds(30.0), ge=ZERO,
+        description="Seconds between a consumer's re-subscriptions, which heal a subscription "
+        "the broker keeps but no longer delivers to (RabbitMQ 3.10, a queue deleted and "
+        "declared again at once); each drops it from the broker's lists for a moment.",
     )
 
     # -- events -------------------------------------------------------------------------

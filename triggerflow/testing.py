@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from triggerflow.codec import KwargsCodec
 from triggerflow.sdk import SyncClient, TriggerflowClient
 from triggerflow.settings import Settings
-from triggerflow.store import Store
+from triggerflow.store import SdkStore
 from triggerflow.store.memory import ManualClock, MemoryStore
 from triggerflow.transport import Transport
 from triggerflow.transport.memory import MemoryBroker, MemoryTransport
@@ -42,7 +42,7 @@ class InMemory:
     def transport(self, user: str = "guest") -> MemoryTransport:
         return MemoryTransport(self.broker, user=user)
 
-    async def _connect(self, settings: Settings, max_connections: int) -> tuple[Store, Transport]:
+    async def _connect(self, settings: Settings, max_connections: int) -> tuple[SdkStore, Transport]:
         return self.store, self.transport()
 
     def client(self, settings: Settings | None = None) -> TriggerflowClient:

@@ -1,6 +1,6 @@
 """The composition root: the one place that picks and builds the real store and transport.
 
-Everything else takes a :class:`~triggerflow.store.Store` and a
+Everything else takes the store's roles it uses (:mod:`triggerflow.store.roles`) and a
 :class:`~triggerflow.transport.Transport`. The mode (``triggerflow.modes``: native or
 Airflow) is picked once per process and supplies the store and what differs around the
 same loops; a new mode is a new :class:`~triggerflow.modes.Mode`, not a fork of the loops.
@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING, TypeVar
 from tenacity import wait_exponential_jitter
 
 from triggerflow.health import get_health
-from triggerflow.lifecycle import report_refused
+from triggerflow.lifecycle import before_stop, report_refused
 from triggerflow.modes import Mode, mode_for
 from triggerflow.refusals import Refusals
 from triggerflow.settings import Settings
-from triggerflow.store import Store, StoreAccessRefused, StoreError
+from triggerflow.store import SdkStore, ServingStore, StoreAccessRefused, StoreError
 from triggerflow.transport import Transport
 
 if TYPE_CHECKING:
@@ -29,16 +29,13 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-StoreT = TypeVar("StoreT", bound=Store)
+StoreT = TypeVar("StoreT", bound=ServingStore)
 
 
-async def connect_store(settings: Settings, *, max_size: int | None = None,
-                        lock_timeout: float | None = None) -> Store:
-    """The store ``settings`` ask for, connected (native mode: PostgreSQL; ``airflow``:
-    Airflow's metadata database). ``lock_timeout``: the writer's bound on row-lock waits."""
-    store: Store = await mode_for(settings).connect_store(max_size=max_size,
-                                                          lock_timeout=lock_timeout)
-    return store
+async def connect_deferral_store(settings: Settings, *, max_size: int | None = None) -> SdkStore:
+    """The store the SDK defers through, connected (native mode: PostgreSQL); ``StoreError``
+    in Airflow mode, where tasks defer through Airflow."""
+    return await mode_for(settings).connect_deferrals(max_size=max_size)
 
 
 def make_transport(settings: Settings, *, name: str) -> Transport:
@@ -88,14 +85,8 @@ async def _connect_store_retrying(mode: Mode[StoreT], stop: asyncio.Event,
                 return await mode.connect_store(lock_timeout=lock_timeout)
         raise AssertionError("unreachable: the retrying re-raises its last error")
 
-    connecting = asyncio.ensure_future(connect())
-    stopping = asyncio.ensure_future(stop.wait())
-    await asyncio.wait([connecting, stopping], return_when=asyncio.FIRST_COMPLETED)
-    stopping.cancel()
-    if not connecting.done():
-        connecting.cancel()
-        return None
-    return connecting.result()
+    connected = await before_stop(connect(), stop)
+    return None if connected is None else connected.result()
 
 
 async def _serve(mode: Mode[StoreT], stop: asyncio.Event,

@@ -16,15 +16,14 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Coroutine, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, wait_exponential_jitter
 
 from triggerflow import telemetry
 from triggerflow.health import get_health
 from triggerflow.lease import Lease
-from triggerflow.lifecycle import report_refused, report_stopped
+from triggerflow.lifecycle import Background, Tasks, report_refused
 from triggerflow.model import EventKind, FailureReason
 from triggerflow.reaper import Reaper
 from triggerflow.runner import failure
@@ -34,9 +33,9 @@ from triggerflow.store import (
     EventRefused,
     EventsLocked,
     ProcessKind,
-    Store,
     StoreAccessRefused,
     StoreError,
+    WriterStore,
 )
 from triggerflow.telemetry import context_from, get_metrics, tracer, tracing_enabled
 from triggerflow.transport import Delivery, Transport, TransportUnavailable
@@ -69,7 +68,7 @@ class Writer:
     decides: Airflow mode's ``--queue`` names those triggerflow serves during a migration).
     """
 
-    def __init__(self, settings: Settings, store: Store, transport: Transport, *,
+    def __init__(self, settings: Settings, store: WriterStore, transport: Transport, *,
                  reaper_queues: Sequence[str] = ()) -> None:
         self.settings = settings
         self.store = store
@@ -89,7 +88,7 @@ class Writer:
                            max_events=settings.writer_batch)
         self._busy = 0  # batches being applied
         self._slots = asyncio.Semaphore(settings.writer_concurrency)
-        self._applying: set[asyncio.Task[None]] = set()
+        self._applying = Background()  # batches in their slots, and finishing messages
         self._failures: asyncio.Queue[BaseException] = asyncio.Queue()
         self.applied_total = 0
 
@@ -109,25 +108,18 @@ class Writer:
             report_refused(exc)  # one line, no traceback
             await self.transport.close()
             return 1
-        loop = asyncio.get_running_loop()
         self.subscriptions.add_events(self._receive)
-        tasks = [
-            loop.create_task(self.subscriptions.run(on_lost=self._drain_inbox), name="broker"),
-            loop.create_task(self._apply_loop(), name="apply"),
-            loop.create_task(self._raise_failures(), name="apply-batch"),
-            loop.create_task(self._heartbeat_loop(), name="heartbeat"),
-        ]
-        stopper = loop.create_task(stop.wait(), name="stop")
-        done, _ = await asyncio.wait([stopper, *tasks], return_when=asyncio.FIRST_COMPLETED)
-        crashed = report_stopped(t for t in done if t is not stopper)
-        stopper.cancel()
+        tasks = Tasks()
+        tasks.start("broker", self.subscriptions.run(on_lost=self._drain_inbox))
+        tasks.start("apply", self._apply_loop())
+        tasks.start("apply-batch", self._raise_failures())
+        tasks.start("heartbeat", self._heartbeat_loop())
+        crashed = await tasks.until(stop)
         log.info("stopping writer")
         # Let the batch in hand commit; unacked deliveries return to the queue on close.
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._idle(), timeout=10)
-        for task in [*tasks, *self._applying]:
-            task.cancel()
-        await asyncio.gather(*tasks, *self._applying, return_exceptions=True)
+        await tasks.cancel(also=list(self._applying.tasks))
         with contextlib.suppress(Exception):
             await self.lease.leave()
         await self.transport.close()
@@ -160,7 +152,7 @@ class Writer:
                     await self.reaper.time_out_orphans()
                     await self.reaper.report_unconsumed()
             except (asyncio.CancelledError, StoreAccessRefused):
-                raise  # refused: report_stopped exits with one line
+                raise  # refused: Tasks.until exits with one line
             except Exception as exc:
                 log.warning("writer heartbeat/reaper failed: %r", exc)
 
@@ -175,9 +167,7 @@ class Writer:
             await self._slots.acquire()
             work = await self._next_work()
             self._busy += 1
-            task = asyncio.get_running_loop().create_task(self._run_in_slot(work))
-            self._applying.add(task)
-            task.add_done_callback(self._applying.discard)
+            self._applying.spawn(self._run_in_slot(work))
 
     async def _next_work(self) -> Work:
         """The next queue's turn; every waiting delivery is decoded first, so a queue whose
@@ -206,15 +196,10 @@ class Writer:
         if received.events:
             self.lanes.add(received)
         else:  # nothing to apply: dead-letter what it carried and ack it
-            self._spawn(self._finish(received))
+            self._applying.spawn(self._finish(received))
 
     def _nudge(self) -> None:
         self._inbox.put_nowait(None)
-
-    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.get_running_loop().create_task(coro)
-        self._applying.add(task)
-        task.add_done_callback(self._applying.discard)
 
     async def _raise_failures(self) -> None:
         raise await self._failures.get()
@@ -245,7 +230,10 @@ class Writer:
         try:
             async for attempt in AsyncRetrying(
                 retry=retry_if_exception(_transient),
-                wait=wait_exponential_jitter(multiplier=0.2, max=5, jitter=0.2),
+                # At most ~1 s apart: once a standby is promoted the next try finds it (the
+                # URL's next host), so the cap is how long applying stays stopped after the
+                # promotion; a try while nothing answers is one refused connect.
+                wait=wait_exponential_jitter(multiplier=0.2, max=1, jitter=0.2),
                 before_sleep=_log_retry,
             ):
                 with attempt:

@@ -12,6 +12,15 @@ and the variable through Airflow's REST API (its database, not the environment).
 wait_for_completion=True)`` starts ``tf_runtime_target`` and waits on it; beside it,
 ``ExternalTaskSensor(deferrable=True)`` waits for that run's task.
 
+``tf_runtime_hitl`` (``success``): a ``HITLOperator`` answered through Airflow's REST API. On
+Airflow 3.3 it waits in ``awaiting_input`` with no trigger (the API's answer resumes it), so
+it must end the same with no Airflow triggerer running at all.
+
+``tf_runtime_http`` (``success``): ``HttpSensor(deferrable=True)`` on a connection stored in
+Airflow's database (its host and port: the test's own HTTP server), answered 404 until the
+task is deferred and its trigger has polled, then 200: ``HttpSensorTrigger`` reads the
+connection through the runtime and polls.
+
 ``tf_runtime_latency``: ``LATENCY_TRIGGERS`` triggers at once, each timing ``LATENCY_REQUESTS``
 connection and variable reads (tests/airflow_runtime_latency.py reads their XComs).
 """
@@ -21,6 +30,8 @@ from __future__ import annotations
 import time
 from datetime import datetime
 
+from airflow.providers.http.sensors.http import HttpSensor
+from airflow.providers.standard.operators.hitl import HITLOperator
 from airflow.providers.standard.operators.python import PythonOperator
 from airflow.providers.standard.operators.trigger_dagrun import TriggerDagRunOperator
 from airflow.providers.standard.sensors.external_task import ExternalTaskSensor
@@ -29,6 +40,7 @@ from airflow.sdk import DAG
 from tests.airflow_triggers import DeferToTrigger
 
 CONN_ID, VARIABLE = "tf_runtime_conn", "tf_runtime_variable"
+HTTP_CONN_ID, HTTP_ENDPOINT = "tf_runtime_http_conn", "ready"
 TARGET = "tf_runtime_target"
 # A queue of their own: RabbitMQ queue names are not namespaced, and another module of the
 # suite declares "default" with its namespace's dead-letter exchange.
@@ -64,6 +76,13 @@ with DAG("tf_runtime_dagrun", schedule=None, start_date=START, catchup=False, de
                           deferrable=True, wait_for_completion=True, poke_interval=2)
     ExternalTaskSensor(task_id="external_sensor", external_dag_id=TARGET,
                        external_task_id="done", deferrable=True, poke_interval=2, timeout=180)
+
+with DAG("tf_runtime_hitl", schedule=None, start_date=START, catchup=False, default_args=ARGS):
+    HITLOperator(task_id="approve", subject="Ship it?", options=["yes", "no"])
+
+with DAG("tf_runtime_http", schedule=None, start_date=START, catchup=False, default_args=ARGS):
+    HttpSensor(task_id="http_sensor", http_conn_id=HTTP_CONN_ID, endpoint=HTTP_ENDPOINT,
+               deferrable=True, poke_interval=1, timeout=180)
 
 LATENCY_TRIGGERS, LATENCY_REQUESTS = 10, 100
 with DAG("tf_runtime_latency", schedule=None, start_date=START, catchup=False,

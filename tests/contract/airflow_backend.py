@@ -20,7 +20,7 @@ from tests.contract.backends import (
     race_in_sql,
 )
 from triggerflow.airflow.store import AirflowStore
-from triggerflow.store import Store
+from triggerflow.store import ServingStore
 
 DATETIME_TRIGGER = "airflow.providers.standard.triggers.temporal.DateTimeTrigger"
 
@@ -39,7 +39,7 @@ class AirflowBackend:
         from cryptography.fernet import Fernet
 
         self.dsn = dsn
-        self.store: Store = store
+        self.store: ServingStore = store
         self.airflow = store
         # Under another Fernet key: a process with another key may hold the right one.
         self.unreadable_kwargs = _encrypted(b'{"x": 1}', Fernet.generate_key().decode())

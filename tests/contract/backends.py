@@ -1,4 +1,4 @@
-"""One small seeder per store: what the contract cases need and the Store protocol does not
+"""One small seeder per store: what the contract cases need and the store roles do not
 offer (a trigger with a deferred task, the task read back, time moved on, a task ended by
 hand). Memory and native stores defer through ``Store.defer``; Airflow's rows are written as
 Airflow's API server writes them (``tests.airflow_support``).
@@ -20,14 +20,14 @@ import asyncpg
 
 from triggerflow.codec import ENCRYPTED_PREFIX, KwargsCodec
 from triggerflow.model import TaskKey
-from triggerflow.store import NewDeferral, ProcessKind, Store
+from triggerflow.store import NewDeferral, ProcessKind, ServingStore, Store
 from triggerflow.store.memory import ManualClock, MemoryStore
 from triggerflow.store.postgres import PostgresStore
 
 T = TypeVar("T")
 # Another process's store calls, run in a transaction that commits only once the call under
 # test waits on the rows they locked (a serial store runs them first).
-Meanwhile = Callable[[Store], Awaitable[Any]]
+Meanwhile = Callable[[Any], Awaitable[Any]]  # given the other process's store
 
 CLASSPATH = "tests.triggers.WaitsForever"
 NEXT_KWARGS = {"k": "v"}
@@ -46,7 +46,7 @@ class Backend(Protocol):
     """A store under test and its seeder."""
 
     name: str
-    store: Store
+    store: ServingStore  # and DeferralStore for memory and postgres (Airflow defers itself)
     unreadable_kwargs: str  # stored kwargs this store's processes hold no key for
     invalid_kwargs: str  # stored kwargs no process can decode
 

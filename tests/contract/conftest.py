@@ -1,7 +1,7 @@
 """The contract suite's one fixture: ``backend``, a store under test with its seeder, once per
 store (memory, native PostgreSQL, Airflow). Every case in this package runs against each.
 
-A case skips a store only where the Store protocol lets that store differ, and says so."""
+A case skips a store only where the store roles let that store differ, and says so."""
 
 from __future__ import annotations
 
@@ -67,6 +67,6 @@ async def backend(store_kind: tuple[str, str | None],
 
 
 def only(backend: Backend, *names: str, why: str) -> None:
-    """Skip a case on the stores the Store protocol lets differ here, with the reason."""
+    """Skip a case on the stores the store roles let differ here, with the reason."""
     if backend.name not in names:
         pytest.skip(f"{backend.name}: {why}")

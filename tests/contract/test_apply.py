@@ -121,25 +121,36 @@ async def test_queue_consumers_counts_live_consumers_only(backend: Backend) -> N
 async def test_the_cancel_sweep_drops_what_its_owner_holds_for_ended_tasks(
     backend: Backend,
 ) -> None:
+    # Airflow mode reads Airflow's cancel log, which is not keyed by owner and is read again
+    # with an overlap (airflow/cancels.py): it names at least the owner's ended tasks, and
+    # the consumer stops only those it runs (consumer/cancel.py). The others name exactly.
+    exact = backend.name != "airflow"
+
+    async def swept(owner: int, *expected: int) -> None:
+        got = await backend.store.sweep_cancelled(owner)
+        assert (got == list(expected)) if exact else set(expected) <= set(got), got
+
     t, me = await claimed(backend)
     u, other = await claimed(backend)
     await held_elsewhere(backend, me)
     assert await backend.store.sweep_cancelled(me) == []
     await backend.end_task(t, "success")
     await backend.end_task(u, "success")
-    assert await backend.store.sweep_cancelled(me) == [t]  # only mine
-    assert await backend.store.sweep_cancelled(me) == []
+    await swept(me, t)  # only mine
+    if exact:
+        assert await backend.store.sweep_cancelled(me) == []
     await backend.end_task(u, "deferred")  # an operator put it back: it waits again
-    assert await backend.store.sweep_cancelled(other) == []
+    if exact:
+        assert await backend.store.sweep_cancelled(other) == []
     await backend.end_task(u, "success")
-    assert await backend.store.sweep_cancelled(other) == [u]
+    await swept(other, u)
 
 
 async def test_cancel_moves_the_task_and_drops_unowned_triggers_at_once(
     backend: Backend,
 ) -> None:
     only(backend, "memory", "postgres",
-         why="in Airflow mode tasks are cleared or marked through Airflow (cancel refuses)")
+         why="in Airflow mode tasks are cleared or marked through Airflow (no DeferralStore role)")
     store = backend.store
     free = await backend.defer(A)
     orphaned = await backend.defer(A)
@@ -167,7 +178,7 @@ async def test_cancelling_a_task_that_already_left_deferred_moves_nothing(
     backend: Backend,
 ) -> None:
     only(backend, "memory", "postgres",
-         why="in Airflow mode tasks are cleared or marked through Airflow (cancel refuses)")
+         why="in Airflow mode tasks are cleared or marked through Airflow (no DeferralStore role)")
     t = await backend.defer(A)
     await backend.end_task(t, "success")
     assert [(c.id, c.owner, c.moved) for c in await backend.store.cancel([t], "removed")] == [

@@ -18,7 +18,8 @@ def _postgres_url(ctx: click.Context, param: click.Parameter, value: str) -> str
     try:
         return Settings.without_environment({"database_url": value}).database_dsn()
     except ValidationError as exc:
-        raise click.BadParameter(exc.errors()[0]["msg"]) from None
+        # pydantic prefixes a validator's message with "Value error, "; the line is ours.
+        raise click.BadParameter(exc.errors()[0]["msg"].removeprefix("Value error, ")) from None
 
 
 DATABASE_URL = click.option(

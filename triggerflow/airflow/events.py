@@ -68,22 +68,34 @@ class AirflowEvent:
 APPLY = f"""
 WITH event AS (
     SELECT * FROM unnest($1::int[], $2::int[], $3::text[], $4::text[], $5::text[], $6::float8[])
-        WITH ORDINALITY AS e(trigger_id, attempt, queue, kind, body, fired_at, i)
-), locked AS MATERIALIZED (
-    -- fenced by attempt and by the trigger's own queue (rows with no queue belong to the
-    -- default queue $7); locked in id order so concurrent writers never deadlock. Only
-    -- (position, id) are sorted: with the bodies, 10,000 rows spilled the sort to disk.
-    SELECT event.i, event.trigger_id
-    FROM event
-    JOIN {SCHEMA}.trigger_state s ON s.trigger_id = event.trigger_id AND s.attempt = event.attempt
-    JOIN "trigger" t ON t.id = event.trigger_id AND coalesce(t.queue, $7) = event.queue
+        AS e(trigger_id, attempt, queue, kind, body, fired_at)
     -- only the project's kinds: anything else would become the task's state below
-    WHERE event.kind IN ('resume', 'fail', 'success', 'failed', 'skipped')
-    ORDER BY s.trigger_id
-    FOR UPDATE OF s
-), live AS (
-    SELECT locked.trigger_id, event.queue, event.kind, event.body::jsonb AS body, event.fired_at
-    FROM locked JOIN event ON event.i = locked.i
+    WHERE e.kind IN ('resume', 'fail', 'success', 'failed', 'skipped')
+), live AS MATERIALIZED (
+    -- Fenced by attempt, by the trigger's own queue (rows with no queue belong to the
+    -- default queue $7) and by the task still deferred on that trigger; the bookkeeping and
+    -- task rows locked, so nothing changes them before the UPDATE below. Each event finds
+    -- its rows by its own index lookups, in array order, which is id order (apply_events
+    -- sorts), so concurrent writers never deadlock. The LATERAL subquery (its FOR UPDATE
+    -- keeps it one) fixes that shape: as plain joins, once a burst's clean-up had emptied
+    -- trigger and trigger_state and ANALYZE had recorded them so, the planner took the next
+    -- burst's rows for one and rescanned the batch once per row (50 million comparisons,
+    -- 33-38 s for 5,000 events); stale task_instance statistics did the same to the UPDATE's
+    -- join, and a generic plan joined the batch back to itself row by row.
+    -- coalesce(): keeps the planner off the ti_state index (all deferred tasks, per event).
+    -- A failure of a task that may retry moves nothing here (needs_airflow).
+    SELECT event.trigger_id, fenced.ti_id, event.queue, event.kind, event.body::jsonb AS body,
+           event.fired_at
+    FROM event CROSS JOIN LATERAL (
+        SELECT ti.id AS ti_id
+        FROM {SCHEMA}.trigger_state s JOIN task_instance ti ON ti.trigger_id = s.trigger_id
+        WHERE s.trigger_id = event.trigger_id AND s.attempt = event.attempt
+          AND (SELECT coalesce(t.queue, $7) FROM "trigger" t WHERE t.id = event.trigger_id)
+              = event.queue
+          AND coalesce(ti.state, '') = 'deferred'
+          AND NOT (event.kind = 'failed' AND ti.try_number <= ti.max_tries)
+        FOR UPDATE OF s, ti
+    ) AS fenced
 ), moved AS (
     UPDATE task_instance ti SET
         state = CASE WHEN live.kind IN ('resume', 'fail') THEN 'scheduled' ELSE live.kind END,
@@ -105,11 +117,8 @@ WITH event AS (
         trigger_id = NULL,
         updated_at = clock_timestamp()
     FROM live
-    -- coalesce(): keeps the planner off the ti_state index. Without statistics (a burst
-    -- right after a mass deferral) it guesses one deferred row, scans that index as the
-    -- outer side and rescans the batch for each of 10,000 rows (seconds -> a minute).
-    WHERE ti.trigger_id = live.trigger_id AND coalesce(ti.state, '') = 'deferred'
-      AND NOT (live.kind = 'failed' AND ti.try_number <= ti.max_tries)
+    -- by primary key alone: live locked these rows still deferred on their trigger
+    WHERE ti.id = live.ti_id
     RETURNING ti.id, ti.dag_id, ti.task_id, ti.run_id, ti.map_index, ti.try_number,
               ti.dag_version_id, ti.hostname, ti.context_carrier, ti.queue AS ti_queue,
               live.trigger_id, live.queue,
@@ -192,6 +201,9 @@ async def apply_events(conn: asyncpg.Connection, events: Sequence[AirflowEvent],
     (``trigger_id``, ``queue``, ``kind``, ``latency`` seconds from fire to apply)."""
     if not events:
         return []
+    # In trigger id order: APPLY locks in the order it is given (the writer's batches come
+    # sorted already, so this costs a pass over a sorted list).
+    events = sorted(events, key=lambda e: e.trigger_id)
     async with conn.transaction():
         rows: list[asyncpg.Record] = await conn.fetch(
             APPLY,

@@ -4,7 +4,8 @@
 ``job`` row of type ``TriggererJob`` in state ``running`` whose ``latest_heartbeat`` is recent.
 A writer inserts one such row when it starts, stamps it every interval and closes it when it
 stops; a writer killed outright leaves a row whose heartbeat goes stale, which Airflow reads as
-an unhealthy triggerer, as it would for its own.
+an unhealthy triggerer, as it would for its own. Given ``served``, the row is stamped only
+while it holds (``liveness.served_check``: every queue with deferred work has a live consumer).
 """
 
 from __future__ import annotations
@@ -14,9 +15,11 @@ import contextlib
 import getpass
 import logging
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import asyncpg
+
+from triggerflow.lifecycle import Tasks
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +51,9 @@ async def stop_job(conn: asyncpg.Connection, job_id: int) -> None:
 
 
 @contextlib.asynccontextmanager
-async def triggerer_job(pool: asyncpg.Pool, interval: float = 5.0) -> AsyncIterator[int]:
+async def triggerer_job(pool: asyncpg.Pool, interval: float = 5.0,
+                        served: Callable[[asyncpg.Connection], Awaitable[bool]] | None = None,
+                        ) -> AsyncIterator[int]:
     """Keep a triggerer job row heart-beating while the block runs; yields the job id.
 
     A heartbeat that fails (database restarting) is logged and retried next interval: the
@@ -63,17 +68,16 @@ async def triggerer_job(pool: asyncpg.Pool, interval: float = 5.0) -> AsyncItera
             await asyncio.sleep(interval)
             try:
                 async with pool.acquire() as conn:
-                    await beat(conn, job_id)
+                    if served is None or await served(conn):
+                        await beat(conn, job_id)
             except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
                 log.warning("triggerer heartbeat failed: %r", exc)
 
-    task = asyncio.create_task(keep_beating(), name="airflow-triggerer-heartbeat")
     try:
-        yield job_id
+        async with Tasks() as beating:
+            beating.start("airflow-triggerer-heartbeat", keep_beating())
+            yield job_id
     finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
         # Bounded: a writer stopping while the database is away must still exit (the row
         # then goes stale, which Airflow reads as a stopped triggerer anyway).
         with contextlib.suppress(OSError, asyncpg.PostgresError, asyncpg.InterfaceError,

@@ -12,6 +12,7 @@ Importing this module imports Airflow (``triggerflow[airflow]``).
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import time
 from collections.abc import AsyncIterator
@@ -19,16 +20,25 @@ from typing import Any
 
 import greenback
 
+from triggerflow.airflow import task_context
+from triggerflow.airflow.cancels import KILLS
 from triggerflow.airflow.codec import Encoded, encode_event, failure_body
 from triggerflow.airflow.kwargs import load_trigger_class
 from triggerflow.airflow.runtime import CURRENT_TRIGGER
 from triggerflow.airflow.timers import as_timer
+from triggerflow.airflow.watchers import watcher
 from triggerflow.loader import AllowedClasses, Disallowed, Unloadable
 from triggerflow.model import EventKind
 from triggerflow.store.interface import TriggerSpec
 from triggerflow.triggers.base import BaseTrigger, TriggerEvent
 
+log = logging.getLogger(__name__)
+
 _REQUEUES = (EventKind.RESUME, EventKind.FAIL)  # events that put the task back to scheduled
+# Fetching a trigger's task instance (task_context.workload) through a database blip: tries
+# and the pause before each retry, seconds.
+_WORKLOAD_TRIES = 3
+_WORKLOAD_PAUSE = 1.0
 
 
 class EncodedEvent(TriggerEvent):
@@ -49,9 +59,11 @@ class AirflowCoroutine(BaseTrigger):
     scheduler race"). Task-end events never requeue the task and are not held.
     """
 
-    def __init__(self, trigger: Any, not_before: float | None = None) -> None:
+    def __init__(self, trigger: Any, not_before: float | None = None, *,
+                 with_task: bool = False) -> None:
         self.trigger = trigger
         self.not_before = not_before
+        self.with_task = with_task  # read its task instance from Airflow's database first
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         classpath, kwargs = self.trigger.serialize()
@@ -65,12 +77,20 @@ class AirflowCoroutine(BaseTrigger):
         CURRENT_TRIGGER.set(self.trigger_id)
         if os.environ.get("AIRFLOW_DISABLE_GREENBACK_PORTAL", "").lower() != "true":
             await greenback.ensure_portal()
-        agen = self.trigger.run()
+        agen: AsyncIterator[Any] | None = None
         try:
             try:
+                context = await self._attach_task() if self.with_task else None
+                # As Airflow's run_trigger: a failure to render is the trigger's failure.
+                task_context.render(self.trigger, context)
+                agen = self.trigger.run()
                 event = await anext(agen)
             except StopAsyncIteration:
                 raise  # the runner's "exited without sending an event"
+            except asyncio.CancelledError:
+                if KILLS.take(self.trigger_id):  # its task ended, before its timeout
+                    await self._on_kill()
+                raise
             except Exception as exc:
                 encoded = EncodedEvent(EventKind.FAIL, failure_body(exc))
             else:
@@ -80,15 +100,61 @@ class AirflowCoroutine(BaseTrigger):
                 await asyncio.sleep(self.not_before - time.time())  # negative: no wait
             yield encoded
         finally:
-            await agen.aclose()
+            if agen is not None:
+                await agen.aclose()  # type: ignore[attr-defined]
+
+    async def _attach_task(self) -> Any:
+        """``task_instance`` (and a ``start_from_trigger`` task's template context) as
+        Airflow's triggerer gives it; the database work runs in a thread."""
+        for tries_left in range(_WORKLOAD_TRIES - 1, -1, -1):
+            try:
+                work = await asyncio.to_thread(task_context.workload, int(self.trigger_id or 0))
+                break
+            except Exception as exc:
+                if not tries_left:
+                    raise
+                log.warning("task instance of trigger %s not read (%r); retrying",
+                            self.trigger_id, exc)
+                await asyncio.sleep(_WORKLOAD_PAUSE)
+        return None if work is None else task_context.attach(self.trigger, work)
 
     async def cleanup(self) -> None:
         await self.trigger.cleanup()
 
+    async def _on_kill(self) -> None:
+        """As Airflow's ``TriggerRunner.run_trigger`` on a user-action cancel: ``on_kill()``
+        bounded by ``[triggerer] on_kill_timeout``, its failures logged, not raised."""
+        on_kill = getattr(self.trigger, "on_kill", None)
+        if on_kill is None:
+            return
+        log.info("trigger %s cancelled by its task's end, invoking on_kill", self.trigger_id)
+        try:
+            await asyncio.wait_for(on_kill(), timeout=_on_kill_timeout())
+        except TimeoutError:
+            log.warning("on_kill() of trigger %s timed out", self.trigger_id)
+        except asyncio.CancelledError:
+            pass  # cancelled again (shutdown) while in on_kill: the first cancel goes on
+        except Exception:
+            log.warning("on_kill() of trigger %s raised", self.trigger_id, exc_info=True)
+
+
+def _on_kill_timeout() -> int:
+    from airflow.configuration import conf
+
+    return conf.getint("triggerer", "on_kill_timeout", fallback=30)
+
 
 class AirflowLoader(AllowedClasses):
     """``TriggerLoader``'s contract for Airflow rows: ``build`` raises ``Disallowed``,
-    ``Unloadable`` or ``BadKwargs`` exactly where the native loader does."""
+    ``Unloadable`` or ``BadKwargs`` exactly where the native loader does.
+
+    ``with_task`` (``consume --airflow``): a trigger that runs as itself first gets its task
+    instance from Airflow's database (``task_context``), as under Airflow's triggerer.
+    """
+
+    def __init__(self, allowed_modules: list[str], *, with_task: bool = False) -> None:
+        super().__init__(allowed_modules)
+        self.with_task = with_task
 
     def load(self, classpath: str) -> type[Any]:
         try:
@@ -100,10 +166,13 @@ class AirflowLoader(AllowedClasses):
 
     def build(self, spec: TriggerSpec) -> BaseTrigger:
         trigger = self.instantiate(spec)
+        if spec.task is None:  # an asset watcher's or a callback's row: no task to resume
+            return watcher(self, spec, trigger)
         # A timer keeps only its deadline; the Airflow object is dropped here. One that would
         # fire within the scheduler race's hold runs as itself instead, held (rare: only
         # deferrals younger than the hold, whose timer is due within it).
         timer = as_timer(trigger)
         if timer is not None and (spec.not_before is None or timer.deadline() >= spec.not_before):
             return timer
-        return AirflowCoroutine(trigger, spec.not_before)
+        return AirflowCoroutine(trigger, spec.not_before,
+                                with_task=self.with_task and spec.task is not None)

@@ -14,7 +14,9 @@ are Airflow's own triggerer's), and beside it run
   wake-up on its team queue within milliseconds (``wakeups.listen``);
 - the backstop: every ``reaper_interval``, rows nobody claimed within ``unclaimed_grace`` (a
   notification lost while no listener was connected, a wake-up the broker refused) are sent
-  again, and ``Trigger.clean_unused`` runs (Airflow's triggerer runs it every loop).
+  again, and ``Trigger.clean_unused`` runs (Airflow's triggerer runs it every loop);
+- task rows with no queue (``start_from_trigger``: the scheduler writes them) get their
+  task's queue (``adopt``), on their notification and in the backstop.
 
 The queue gauges read triggerflow's schema and Airflow's rows (``statements.QUEUE_GAUGES``).
 Importing this module imports nothing from Airflow; a consumer's loader and encoder do.
@@ -28,14 +30,20 @@ import logging
 from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING
 
+import asyncpg
+
+from triggerflow.airflow.adopt import adopt
 from triggerflow.airflow.store import AirflowStore
+from triggerflow.lifecycle import Tasks
 from triggerflow.reaper import Reaper
 from triggerflow.settings import Settings
+from triggerflow.store import StoreError
 from triggerflow.transport import Transport, TransportError
 
 if TYPE_CHECKING:
     from triggerflow.consumer.outcomes import EncodeFn
     from triggerflow.loader import Loader
+    from triggerflow.store import SdkStore
     from triggerflow.store.gauges import GaugeSource
 
 log = logging.getLogger(__name__)
@@ -53,9 +61,27 @@ class WakeUps:
         self.queues = frozenset(queues)
 
     async def deliver(self, queue: str | None, ids: list[int]) -> None:
+        if queue is None and ids:
+            ids = await self.adopt(ids)
         queue = queue or self.store.default_queue
         if queue is None or not ids or (self.queues and queue not in self.queues):
             return  # not triggerflow's queue: Airflow's own triggerer serves these rows
+        await self._publish(queue, ids)
+
+    async def adopt(self, ids: list[int] | None) -> list[int]:
+        """Task rows with no queue (``start_from_trigger``) get their task's queue and are
+        woken up there (``adopt``); returns the ``ids`` left without a queue."""
+        try:
+            adopted = await adopt(self.store.pool, ids, sorted(self.queues))
+        except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+            log.warning("rows with no queue not adopted: %r", exc)  # the backstop tries again
+            return ids or []
+        for queue, taken in adopted.items():
+            await self._publish(queue, taken)
+        done = {i for taken in adopted.values() for i in taken}
+        return [i for i in ids or () if i not in done]
+
+    async def _publish(self, queue: str, ids: list[int]) -> None:
         try:
             await self.transport.publish_wakeups({queue: ids})
         except TransportError as exc:
@@ -67,12 +93,13 @@ class WakeUps:
 
 
 async def backstop(store: AirflowStore, reaper: Reaper, transport: Transport,
-                   interval: float) -> None:
+                   interval: float, wake: WakeUps) -> None:
     while True:
         await asyncio.sleep(interval)
         if not transport.is_open:
             continue
         try:
+            await wake.adopt(None)  # rows with no queue a notification did not bring
             await reaper.resend_unclaimed()
             await store.clean_unused()
         except asyncio.CancelledError:
@@ -99,45 +126,48 @@ class AirflowMode:
                                           lock_timeout=lock_timeout,
                                           resume_delay=settings.airflow_resume_delay.total_seconds())
 
+    async def connect_deferrals(self, *, max_size: int | None = None) -> SdkStore:
+        # AirflowStore has no DeferralStore role: Airflow's API server defers and cancels.
+        raise StoreError("in Airflow mode tasks defer, and are cleared or marked, through "
+                         "Airflow, not triggerflow's SDK")
+
     def loader(self) -> Loader:
         from triggerflow.airflow.loader import AirflowLoader
 
-        return AirflowLoader(self.settings.allowed_modules)
+        return AirflowLoader(self.settings.allowed_modules, with_task=True)
 
     def encoder(self) -> EncodeFn | None:
         from triggerflow.airflow.codec import wire_outcome
 
         return wire_outcome
 
-    def serving_consumer(self) -> contextlib.AbstractAsyncContextManager[object]:
-        from triggerflow.airflow import runtime
+    @contextlib.asynccontextmanager
+    async def serving_consumer(self) -> AsyncIterator[object]:
+        from triggerflow.airflow import runtime, task_context, trigger_logs
 
-        return runtime.serving()
+        await asyncio.to_thread(task_context.prepare_orm)  # before any trigger's thread
+        async with runtime.serving() as served:
+            # After the runtime: its secrets masker is on before any line is captured.
+            with trigger_logs.writing(self.settings.database_dsn()):
+                yield served
 
     @contextlib.asynccontextmanager
     async def serving_writer(self, store: AirflowStore, transport: Transport, reaper: Reaper,
                              stop: asyncio.Event) -> AsyncIterator[None]:
-        from triggerflow.airflow import heartbeat, wakeups
+        from triggerflow.airflow import heartbeat, liveness, wakeups
 
         settings = self.settings
         wake = WakeUps(store, transport, self.writer_queues)
         interval = settings.reaper_interval.total_seconds()
-        async with heartbeat.triggerer_job(store.pool):
-            side = [
-                asyncio.create_task(wakeups.listen(settings.database_dsn(), wake.deliver, stop),
-                                    name="airflow-listen"),
-                asyncio.create_task(backstop(store, reaper, transport, interval),
-                                    name="airflow-backstop"),
-            ]
-            try:
-                yield
-            finally:
-                for task in side:
-                    task.cancel()
-                await asyncio.gather(*side, return_exceptions=True)
+        # The heartbeat says "healthy" only while the queues with deferred work have consumers.
+        served = liveness.served_check(settings.default_queue, self.writer_queues)
+        async with heartbeat.triggerer_job(store.pool, served=served), Tasks() as side:
+            side.start("airflow-listen", wakeups.listen(settings.database_dsn(), wake.deliver, stop))
+            side.start("airflow-backstop", backstop(store, reaper, transport, interval, wake))
+            yield
 
     async def connect_gauges(self) -> GaugeSource:
-        from triggerflow.airflow import statements as sql
+        from triggerflow.airflow.statements import gauges as sql
         from triggerflow.store.postgres.gauges import SqlGauges
 
         return await SqlGauges.connect(self.settings.database_dsn(),

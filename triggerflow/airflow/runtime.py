@@ -37,6 +37,7 @@ from airflow.sdk._shared.secrets_masker import SecretsMasker, _secrets_masker
 from airflow.sdk.execution_time import task_runner
 
 from triggerflow.errors import TriggerflowError
+from triggerflow.lifecycle import Tasks
 
 log = logging.getLogger(__name__)
 
@@ -162,13 +163,11 @@ async def serving() -> AsyncIterator[RuntimeProcess]:
     mask_logs()
     runtime = RuntimeProcess()
     await runtime.start()
-    watch = asyncio.create_task(runtime.supervise(), name="airflow-runtime")
     try:
-        yield runtime
+        async with Tasks() as watch:
+            watch.start("airflow-runtime", runtime.supervise())
+            yield runtime
     finally:
-        watch.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await watch
         await runtime.stop()
         with contextlib.suppress(AttributeError):
             del task_runner.SUPERVISOR_COMMS

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 SCHEMA = "triggerflow"
 NOTIFY_CHANNEL = "triggerflow_airflow_trigger"
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5  # 5: the cancel log (cancels.py)
 
 # Airflow release -> head of its alembic migrations (``alembic_version.version_num``).
 # The SQL in this package was checked against these; anything else is refused.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncpg
 
-from triggerflow.airflow import schema
+from triggerflow.airflow import cancels, schema
 from triggerflow.errors import ConfigurationError
 
 
@@ -50,6 +50,7 @@ async def setup(dsn: str) -> str:
             await conn.execute("SELECT pg_advisory_xact_lock(hashtext('triggerflow.airflow.setup'))")
             await conn.execute(schema.CREATE)
             await conn.execute(schema.NOTIFY_TRIGGER)
+            await conn.execute(cancels.CREATE)  # the cancel log and its triggers (cancels.py)
             await conn.execute(schema.RECORD_META, schema.SCHEMA_VERSION,
                                schema.KNOWN_AIRFLOW_REVISIONS[release])
         return release
@@ -62,6 +63,7 @@ async def teardown(dsn: str) -> None:
     conn = await asyncpg.connect(dsn)
     try:
         async with conn.transaction():
+            await conn.execute(cancels.DROP)
             await conn.execute(schema.DROP)
     finally:
         await conn.close()

@@ -1,4 +1,4 @@
-"""``AirflowStore``: the ``Store`` interface served from an Airflow 3.3 metadata database.
+"""``AirflowStore``: the store's serving roles (``ServingStore``) on an Airflow 3.3 database.
 
 Leases and bookkeeping live in triggerflow's schema; triggers, task instances and XComs are
 Airflow's rows, read as Airflow stores them and written as Airflow's own functions write them
@@ -10,8 +10,10 @@ Airflow's rows, read as Airflow stores them and written as Airflow's own functio
 * claimed kwargs are decoded by Airflow's code (``kwargs.decode_kwargs``) with the Fernet key
   of Airflow's configuration; event bodies arrive already encoded by Airflow's serialisers
   (``codec``), so the writer needs no Airflow import;
-* deferral, cancellation and trigger timeouts are Airflow's (API server, scheduler):
-  ``defer``/``undo_defer``/``cancel`` refuse, ``time_out_orphans`` does nothing.
+* deferral, cancellation and trigger timeouts are Airflow's (API server, scheduler): it
+  serves every role but ``DeferralStore`` (``store.roles``), and ``time_out_orphans`` does
+  nothing; a task that leaves its trigger is read from the cancel log (``cancels``),
+  promptly (LISTEN).
 """
 
 from __future__ import annotations
@@ -20,32 +22,33 @@ import asyncio
 import contextlib
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractAsyncContextManager
 from typing import TYPE_CHECKING, Any
 
 import asyncpg
 
-from triggerflow.airflow import statements as sql
+from triggerflow.airflow import cancels
 from triggerflow.airflow.events import CLEAN_UNUSED, AirflowEvent, needs_airflow
 from triggerflow.airflow.events import apply_events as apply_airflow_events
+from triggerflow.airflow.nontask import GONE_WATCHERS, NON_TASK_IDS
+from triggerflow.airflow.statements import claims, reaper, writer
+from triggerflow.airflow.statements.lease import LEASE
 from triggerflow.airflow.unused import UnusedTriggers
 from triggerflow.store import (
     Applied,
-    Cancelled,
     ClaimResult,
     FreedTrigger,
     KwargsError,
     KwargsProblem,
-    NewDeferral,
-    ProcessKind,
     Reaped,
-    Renewal,
     StoreError,
     StoreUnavailable,
     Taker,
     TriggerRef,
     TriggerSpec,
 )
+from triggerflow.store.postgres.base import SqlStore, scope
 from triggerflow.store.postgres.pool import (
     DATA_ERRORS,
     keep_session,
@@ -59,11 +62,7 @@ _REFUSED = DATA_ERRORS
 _DECODE_INLINE = 64  # claimed rows decoded on the loop; more go to a thread
 
 
-def _scope(queues: Sequence[str] | None) -> tuple[list[str], bool]:
-    return ([], True) if queues is None else (list(queues), False)
-
-
-class AirflowStore:
+class AirflowStore(SqlStore):
     """The store on one pool over Airflow's database (``dsn``; Airflow's own code, for the
     events it applies, opens its own connections to it).
 
@@ -73,13 +72,20 @@ class AirflowStore:
 
     def __init__(self, pool: asyncpg.Pool, dsn: str, default_queue: str | None = None,
                  resume_delay: float = 0.0) -> None:
-        self.pool = pool
+        # Renewals share the pool here (no lease_dsn): an Airflow consumer holds 1,000s.
+        super().__init__(pool, LEASE, refused=_REFUSED)
         self.default_queue = default_queue
         self.resume_delay = resume_delay  # the scheduler race's hold (loader.AirflowCoroutine)
         self.dsn = dsn  # for the events Airflow's own code applies (orm.py)
         # Applied batches' trigger rows, deleted after the burst (see unused.py).
-        self.unused = UnusedTriggers(self._clean_unused_of)
+        self._applying = 0  # batches in _apply now
+        self.unused = UnusedTriggers(self._clean_unused_of, busy=lambda: self._applying > 0)
         self.lock_timeout: float | None = None  # the writer's, on every pooled session
+        # Non-task rows (asset watchers, callbacks) this consumer claimed: id -> attempt.
+        # They run until stopped, so the cancel sweep also looks for their bookkeeping
+        # having gone (deleted with the row by the writer's clean-up).
+        self.watchers: dict[int, int] = {}
+        self.cancel_log = cancels.CancelLog()
 
     @classmethod
     async def connect(cls, dsn: str, *, default_queue: str | None = None,
@@ -90,29 +96,17 @@ class AirflowStore:
         async with store_errors(_REFUSED):
             pool = await asyncpg.create_pool(
                 dsn, min_size=1, max_size=max_size, reset=keep_session,
-                server_settings=session_settings("triggerflow-airflow", lock_timeout=lock_timeout))
+                # ORIGIN: the cancel log's row triggers skip triggerflow's own moves
+                server_settings={**session_settings("triggerflow-airflow",
+                                                    lock_timeout=lock_timeout),
+                                 **cancels.ORIGIN})
         store = cls(pool, dsn, default_queue, resume_delay)
         store.lock_timeout = lock_timeout
         return store
 
     async def close(self) -> None:
         await self.unused.close()
-        with contextlib.suppress(TimeoutError):
-            await self.pool.close()
-
-    # -- plumbing ------------------------------------------------------------------------
-
-    def _errors(self) -> contextlib.AbstractAsyncContextManager[None]:
-        return store_errors(_REFUSED)
-
-    async def _fetch(self, query: str, *args: Any) -> list[asyncpg.Record]:
-        async with self._errors(), self.pool.acquire() as conn:
-            rows: list[asyncpg.Record] = await conn.fetch(query, *args)
-            return rows
-
-    async def _execute(self, query: str, *args: Any) -> None:
-        async with self._errors(), self.pool.acquire() as conn:
-            await conn.execute(query, *args)
+        await super().close()
 
     def _spec(self, row: asyncpg.Record) -> TriggerSpec:
         from cryptography.fernet import InvalidToken
@@ -131,36 +125,11 @@ class AirflowStore:
         # A deferral younger than the hold: its event waits for the rest of it (this
         # process's clock from here on; the age was measured on the database's).
         young = self.resume_delay - (row["deferred_for"] or 0.0)
+        if row["task"] is None:
+            self.watchers[row["id"]] = row["attempt"]
         return TriggerSpec(row["id"], row["attempt"], sys.intern(row["queue"]),
                            sys.intern(row["classpath"]), kwargs, problem, row["task"],
                            not_before=time.time() + young if young > 0 else None)
-
-    # -- a process's lease ----------------------------------------------------------------
-
-    async def register(self, kind: ProcessKind, host: str, pid: int, queues: Sequence[str],
-                       capacity: int, version: str, ttl: float) -> int:
-        rows = await self._fetch(sql.REGISTER, str(kind), host, pid, list(queues), capacity,
-                                 version, ttl)
-        return int(rows[0]["id"])
-
-    async def renew(self, me: int, ttl: float, running: int, queues: Sequence[str], *,
-                    subscribed: bool = True, clock_skew: float | None = None) -> Renewal | None:
-        rows = await self._fetch(sql.RENEW, me, ttl, running, list(queues), subscribed,
-                                 clock_skew)
-        if not rows:
-            return None
-        row = rows[0]
-        return Renewal(row["dead_peers"], row["live_peers"], row["peers_running"],
-                       row["db_time"])
-
-    async def unregister(self, me: int) -> None:
-        await self._execute(sql.UNREGISTER, me)
-
-    async def announce_presence(self, me: int, presence: str) -> bool:
-        return bool(await self._fetch(sql.ANNOUNCE_PRESENCE, me, presence))
-
-    async def presence_gone(self, presence: str, queues: Sequence[str]) -> list[int]:
-        return [r["id"] for r in await self._fetch(sql.PRESENCE_GONE, presence, list(queues))]
 
     # -- consumer ------------------------------------------------------------------------
 
@@ -169,7 +138,7 @@ class AirflowStore:
         if not ids:
             return result
         claimed: list[asyncpg.Record] = []
-        for row in await self._fetch(sql.CLAIM, me, list(ids), list(queues), self.default_queue):
+        for row in await self._fetch(claims.CLAIM, me, list(ids), list(queues), self.default_queue):
             if row["outcome"] == "claimed":
                 claimed.append(row)
             elif row["outcome"] == "suspect":
@@ -188,42 +157,58 @@ class AirflowStore:
 
     async def claim_probation(self, me: int, queues: Sequence[str],
                               limit: int | None = None) -> list[TriggerSpec]:
-        rows = await self._fetch(sql.CLAIM_PROBATION, me, list(queues), self.default_queue,
+        rows = await self._fetch(claims.CLAIM_PROBATION, me, list(queues), self.default_queue,
                                  limit or 2**31 - 1)
         return await self._specs(list(rows))
 
     async def clear_probation(self, me: int, ids: Sequence[int]) -> None:
-        await self._execute(sql.CLEAR_PROBATION, me, list(ids))
+        await self._execute(claims.CLEAR_PROBATION, me, list(ids))
 
     async def release(self, me: int, ids: Sequence[int] | None = None, *,
                       cannot_load: bool = False, reason: str | None = None) -> list[TriggerRef]:
-        rows = await self._fetch(sql.RELEASE, me, None if ids is None else list(ids),
+        rows = await self._fetch(claims.RELEASE, me, None if ids is None else list(ids),
                                  cannot_load, reason, self.default_queue)
         return [TriggerRef(r["id"], r["queue"]) for r in rows]
 
     async def release_lost(self, me: int, ids: Sequence[int],
                            attempts: Sequence[int]) -> list[TriggerRef]:
-        rows = await self._fetch(sql.RELEASE_LOST, me, list(ids), list(attempts),
+        rows = await self._fetch(claims.RELEASE_LOST, me, list(ids), list(attempts),
                                  self.default_queue)
         return [TriggerRef(r["id"], r["queue"]) for r in rows]
 
     async def fail_unloadable(self, me: int, ids: Sequence[int]) -> list[int]:
-        rows = await self._fetch(sql.FAIL_UNLOADABLE, list(ids), me, self.default_queue)
+        rows = await self._fetch(claims.FAIL_UNLOADABLE, list(ids), me, self.default_queue)
         return [r["id"] for r in rows]
 
     async def other_loaders(self, trigger_id: int, me: int) -> int:
-        rows = await self._fetch(sql.OTHER_LOADERS, trigger_id, me, self.default_queue)
+        rows = await self._fetch(claims.OTHER_LOADERS, trigger_id, me, self.default_queue)
         return int(rows[0]["count"]) if rows else 0
 
     async def forget(self, me: int, ids: Sequence[int]) -> None:
-        await self._execute(sql.FORGET_HELD, list(ids), me)
+        await self._execute(claims.FORGET_HELD, list(ids), me)
 
     async def sweep_cancelled(self, me: int) -> list[int]:
-        return [r["id"] for r in await self._fetch(sql.SWEEP_CANCELLED, me)]
+        """Triggers whose task left them since the last call (``cancels``): a superset of
+        what ``me`` runs, as the log is not keyed by owner; the consumer stops those it runs
+        and ``forget`` drops their bookkeeping, if the writer has not already. Non-task rows
+        (watchers) held here are stopped once their row or its watch is gone."""
+        ids = await self.cancel_log.read(self._fetch)
+        if self.watchers:
+            held = list(self.watchers.items())
+            gone = [r["id"] for r in await self._fetch(
+                GONE_WATCHERS, me, [i for i, _ in held], [a for _, a in held])]
+            for trigger_id in gone:
+                self.watchers.pop(trigger_id, None)
+            ids += gone
+        return ids
+
+    def watch_cancels(self, wake: Callable[[], None]) -> AbstractAsyncContextManager[None]:
+        """``wake()`` within milliseconds of a task leaving its trigger (LISTEN)."""
+        return cancels.watch(self.dsn, wake)
 
     async def strike(self, me: int, trigger_id: int, attempt: int, blocked: float,
                      max_failures: int) -> FreedTrigger | None:
-        rows = await self._fetch(sql.STRIKE, me, trigger_id, attempt, blocked, max_failures,
+        rows = await self._fetch(claims.STRIKE, me, trigger_id, attempt, blocked, max_failures,
                                  self.default_queue)
         return next((FreedTrigger(r["id"], r["queue"], r["classpath"], r["failures"],
                                   r["quarantined"]) for r in rows), None)
@@ -243,32 +228,54 @@ class AirflowStore:
         batch = [AirflowEvent(e.trigger_id, e.attempt, e.queue, e.kind, e.payload, e.fired_at)
                  for e in events]
         held: set[int] = set()
-        # The hot path stays one transaction of its own; an outer one only when skipping.
-        async with (self._errors(), self.pool.acquire() as conn,
-                    conn.transaction() if skip_held else contextlib.nullcontext()):
-            if skip_held:  # lock what is free first (SKIP LOCKED), as the native store does
-                held = {r["id"] for r in await conn.fetch(
-                    sql.HELD_ELSEWHERE, [e.trigger_id for e in batch],
-                    [e.attempt for e in batch], [e.queue for e in batch], self.default_queue)}
-                batch = [e for e in batch if e.trigger_id not in held]
-            rows = await apply_airflow_events(conn, batch, self.default_queue, clean=False)
+        self._applying += 1
+        try:
+            # The hot path stays one transaction of its own; an outer one only when skipping.
+            async with (self._errors(), self.pool.acquire() as conn,
+                        conn.transaction() if skip_held else contextlib.nullcontext()):
+                if skip_held:  # lock what is free first (SKIP LOCKED), as the native store does
+                    held = {r["id"] for r in await conn.fetch(
+                        writer.HELD_ELSEWHERE, [e.trigger_id for e in batch],
+                        [e.attempt for e in batch], [e.queue for e in batch],
+                        self.default_queue)}
+                    batch = [e for e in batch if e.trigger_id not in held]
+                rows = await apply_airflow_events(conn, batch, self.default_queue, clean=False)
+                moved = {r["trigger_id"] for r in rows}
+                # Resumes that moved no task: those of asset-watcher and callback rows go to
+                # Airflow's own Trigger.submit_event (the rest were stale).
+                unmoved = [e.trigger_id for e in batch if e.kind == "resume"
+                           and e.trigger_id not in moved]
+                non_task = {r["id"] for r in await conn.fetch(NON_TASK_IDS, unmoved)} \
+                    if unmoved else set()
+        finally:
+            self._applying -= 1
         self.unused.add(e.trigger_id for e in batch)
         applied = [Applied(r["kind"], r["queue"], r["latency"]) for r in rows]
-        rest = needs_airflow(batch, {r["trigger_id"] for r in rows})
+        if non_task:
+            # each with Trigger.submit_event: asset events, DAG runs queued, callback states
+            applied += await self._with_airflow("apply_watcher_events", [
+                e for e in batch if e.kind == "resume" and e.trigger_id in non_task])
+        rest = needs_airflow(batch, moved)
         if rest:
-            from sqlalchemy.exc import OperationalError, SQLAlchemyError
-
-            from triggerflow.airflow.orm import apply_with_airflow
-
-            try:
-                done = await asyncio.to_thread(apply_with_airflow, self.dsn, rest,
-                                               self.default_queue)
-            except OperationalError as exc:
-                raise StoreUnavailable(repr(exc)) from exc
-            except SQLAlchemyError as exc:
-                raise StoreError(repr(exc)) from exc
-            applied += [Applied(e.kind, e.queue, time.time() - e.fired_at) for e in done]
+            applied += await self._with_airflow("apply_with_airflow", rest)
         return applied, [e for e in events if e.trigger_id in held]
+
+    async def _with_airflow(self, function: str,
+                            events: list[AirflowEvent]) -> list[Applied]:
+        """Events applied one by one by Airflow's own code (``orm.<function>``), in a thread:
+        failures of tasks that may retry, asset-watcher and callback events."""
+        from sqlalchemy.exc import OperationalError, SQLAlchemyError
+
+        from triggerflow.airflow import orm
+
+        try:
+            done = await asyncio.to_thread(getattr(orm, function), self.dsn, events,
+                                           self.default_queue)
+        except OperationalError as exc:
+            raise StoreUnavailable(repr(exc)) from exc
+        except SQLAlchemyError as exc:
+            raise StoreError(repr(exc)) from exc
+        return [Applied(e.kind, e.queue, time.time() - e.fired_at) for e in done]
 
     # -- reaper ----------------------------------------------------------------------------
 
@@ -276,7 +283,7 @@ class AirflowStore:
                         limit: int | None = None, taker: Taker | None = None) -> Reaped:
         # One statement frees them all; the reaping consumer then claims them (no take-over
         # in one rewrite here yet: an Airflow consumer holds 1,000s, not a million).
-        rows = await self._fetch(sql.REAP_DEAD, *_scope(queues), max_failures,
+        rows = await self._fetch(reaper.REAP_DEAD, *scope(queues), max_failures,
                                  self.default_queue)
         freed = [FreedTrigger(r["id"], r["queue"], r["classpath"], r["failures"],
                               r["quarantined"]) for r in rows]
@@ -284,13 +291,13 @@ class AirflowStore:
 
     async def resend_unclaimed(self, queues: Sequence[str] | None, grace: float,
                                limit: int) -> list[TriggerRef]:
-        rows = await self._fetch_waiting(sql.RESEND_UNCLAIMED, *_scope(queues), grace, limit,
+        rows = await self._fetch_waiting(reaper.RESEND_UNCLAIMED, *scope(queues), grace, limit,
                                          self.default_queue)
         return [TriggerRef(r["id"], r["queue"]) for r in rows]
 
     async def mark_published(self, ids: Sequence[int]) -> None:
         """Wake-ups sent for these rows (by the NOTIFY listener): the backstop skips them."""
-        await self._fetch_waiting(sql.MARK_PUBLISHED, list(ids))
+        await self._fetch_waiting(reaper.MARK_PUBLISHED, list(ids))
 
     async def time_out_orphans(self, queues: Sequence[str] | None,
                                max_deferral: float) -> list[TriggerRef]:
@@ -319,31 +326,20 @@ class AirflowStore:
         """``Trigger.clean_unused``, whole-table; returns how many trigger rows went."""
         async with self._errors(), self.pool.acquire() as conn, conn.transaction():
             await self._wait_for_locks(conn)
-            await conn.execute(sql.DETACH_FINISHED)
-            return int(await conn.fetchval(sql.DELETE_UNUSED))
+            await conn.execute(reaper.DETACH_FINISHED)
+            return int(await conn.fetchval(reaper.DELETE_UNUSED))
 
     async def waiting_queues(self, grace: float) -> list[str]:
-        return [r["queue"] for r in await self._fetch(sql.WAITING_QUEUES, grace,
+        return [r["queue"] for r in await self._fetch(reaper.WAITING_QUEUES, grace,
                                                       self.default_queue)]
 
     async def queue_consumers(self, queues: Sequence[str]) -> dict[str, int]:
-        rows = await self._fetch(sql.QUEUE_CONSUMERS, list(queues))
+        rows = await self._fetch(reaper.QUEUE_CONSUMERS, list(queues))
         return {r["q"]: int(r["consumers"]) for r in rows}
-
-    # -- SDK: Airflow defers and cancels through its own API server ---------------------
-
-    async def defer(self, deferrals: Sequence[NewDeferral]) -> list[int]:
-        raise StoreError("in Airflow mode tasks defer through Airflow, not triggerflow's SDK")
-
-    async def undo_defer(self, ids: Sequence[int], error: str) -> None:
-        raise StoreError("in Airflow mode tasks defer through Airflow, not triggerflow's SDK")
-
-    async def cancel(self, ids: Sequence[int], state: str) -> list[Cancelled]:
-        raise StoreError("in Airflow mode tasks are cleared or marked through Airflow")
 
 
 if TYPE_CHECKING:
-    from triggerflow.store import Store
+    from triggerflow.store import ServingStore
 
-    def _is_a_store(store: AirflowStore) -> Store:
-        return store  # mypy checks AirflowStore against the Protocol here
+    def _is_a_store(store: AirflowStore) -> ServingStore:
+        return store  # mypy checks AirflowStore against the roles it serves here

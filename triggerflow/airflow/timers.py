@@ -6,9 +6,9 @@ every few seconds; here it becomes one heap entry, and the event is what Airflow
 would have yielded: ``TriggerEvent(self.moment)`` — a UTC ``pendulum.DateTime`` — or, with
 ``end_from_trigger``, ``TaskSuccessEvent()`` (no XComs).
 
-Templated ``target_time`` (``start_from_trigger`` with a Jinja template) is not rendered here:
-such a trigger is not mapped and runs as Airflow's coroutine, which fails the way Airflow's
-triggerer would without its template context.
+A templated ``target_time`` (``start_from_trigger`` with a Jinja template) is not mapped: the
+trigger runs as Airflow's coroutine, rendered first as Airflow's triggerer renders it
+(``task_context``).
 
 Importing this module imports Airflow (``triggerflow[airflow]``).
 """
@@ -70,8 +70,8 @@ def as_timer(trigger: Any) -> TimerTrigger | None:
     """The heap timer standing for an Airflow trigger, or None when it must run as itself."""
     if type(trigger) not in (DateTimeTrigger, TimeDeltaTrigger):  # a subclass may override run()
         return None
-    # ``target_time`` (templated or ISO text) exists from provider 1.21 on; the pinned 1.19
-    # only has ``moment``.
+    # ``target_time`` (templated or ISO text) exists from provider 1.21 on; older releases
+    # only have ``moment``.
     target = getattr(trigger, "target_time", None)
     if getattr(trigger, "_moment", None) is None and isinstance(target, str) and "{" in target:
         return None  # an unrendered template

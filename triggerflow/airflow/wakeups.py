@@ -32,6 +32,20 @@ async def listen(dsn: str, deliver: Deliver, stop: asyncio.Event, *,
                  retry_interval: float = 1.0, keepalive: float = 30.0,
                  on_connected: Callable[[], None] | None = None) -> None:
     """LISTEN until ``stop`` is set, reconnecting after a lost connection."""
+
+    async def handle(payload: str) -> None:
+        await deliver(*parse(payload))
+
+    await listen_channel(dsn, NOTIFY_CHANNEL, handle, stop, retry_interval=retry_interval,
+                         keepalive=keepalive, on_connected=on_connected)
+
+
+async def listen_channel(dsn: str, channel: str, handle: Callable[[str], Awaitable[None]],
+                         stop: asyncio.Event, *, retry_interval: float = 1.0,
+                         keepalive: float = 30.0,
+                         on_connected: Callable[[], None] | None = None) -> None:
+    """LISTEN on ``channel``, each payload to ``handle``, until ``stop``; reconnects.
+    ``on_connected`` runs after each (re)connection: what was sent meanwhile is lost."""
     pending: asyncio.Queue[str] = asyncio.Queue()
     while not stop.is_set():
         conn: asyncpg.Connection | None = None
@@ -40,12 +54,12 @@ async def listen(dsn: str, deliver: Deliver, stop: asyncio.Event, *,
                 "application_name": "triggerflow-airflow-listen"})
             lost = asyncio.Event()
             conn.add_termination_listener(lambda _conn, lost=lost: lost.set())
-            await conn.add_listener(NOTIFY_CHANNEL, lambda *args: pending.put_nowait(args[3]))
+            await conn.add_listener(channel, lambda *args: pending.put_nowait(args[3]))
             if on_connected is not None:
                 on_connected()
-            await _drain(conn, pending, deliver, stop, lost, keepalive)
+            await _drain(conn, pending, handle, stop, lost, keepalive)
         except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
-            log.warning("LISTEN %s lost: %r; reconnecting", NOTIFY_CHANNEL, exc)
+            log.warning("LISTEN %s lost: %r; reconnecting", channel, exc)
         finally:
             if conn is not None:
                 with contextlib.suppress(Exception):
@@ -55,7 +69,8 @@ async def listen(dsn: str, deliver: Deliver, stop: asyncio.Event, *,
                 await asyncio.wait_for(stop.wait(), retry_interval)
 
 
-async def _drain(conn: asyncpg.Connection, pending: asyncio.Queue[str], deliver: Deliver,
+async def _drain(conn: asyncpg.Connection, pending: asyncio.Queue[str],
+                 handle: Callable[[str], Awaitable[None]],
                  stop: asyncio.Event, lost: asyncio.Event, keepalive: float) -> None:
     while not (stop.is_set() or lost.is_set()):
         getter = asyncio.ensure_future(pending.get())
@@ -69,5 +84,4 @@ async def _drain(conn: asyncpg.Connection, pending: asyncio.Queue[str], deliver:
             # by using it.
             await conn.execute("SELECT 1")
         elif getter in done:
-            queue, ids = parse(getter.result())
-            await deliver(queue, ids)
+            await handle(getter.result())

@@ -97,7 +97,9 @@ def _where(url: str) -> str:
     try:
         parsed = URL(url)
     except ValueError:
-        return "?"
+        # a host list (a primary and its standbys: h1:5432,h2:5432) is no URL yarl reads
+        hosts = url.partition("://")[2].partition("/")[0].rpartition("@")[2]
+        return hosts if "," in hosts else "?"
     return f"{parsed.host}:{parsed.port}" if parsed.host else "?"
 
 

@@ -54,11 +54,20 @@ def register(main: click.Group) -> None:
     @main.command()
     @click.argument("scenarios", nargs=-1)
     @click.option("--quick", is_flag=True, help="Tiny sizes (smoke test).")
+    @click.option("--zone-triggers", type=click.IntRange(min=10), default=None,
+                  help="Timers the `zone` scenario's consumers hold (default 100,000; "
+                  "--quick: 2,000).")
+    @click.option("--repeats", type=click.IntRange(min=1), default=None,
+                  help="Runs of each size in `reference`, `burst`, `held` and `wide` (a burst "
+                  "run right after a reference run); medians are printed (default 3; "
+                  "--quick: 1).")
     @settings_options(*connection)
-    def bench(scenarios: tuple[str, ...], quick: bool, **values: Any) -> None:
+    def bench(scenarios: tuple[str, ...], quick: bool, zone_triggers: int | None,
+              repeats: int | None, **values: Any) -> None:
         """Benchmark against the real broker and database; prints a table per scenario."""
         run_bench = from_checkout("bench").run_bench
-        sys.exit(run_bench(build_settings(values, every_variable=True), list(scenarios), quick))
+        sys.exit(run_bench(build_settings(values, every_variable=True), list(scenarios), quick,
+                           zone_triggers=zone_triggers, repeats=repeats))
 
     @main.group()
     def docs() -> None:

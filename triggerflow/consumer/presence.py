@@ -17,10 +17,10 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Sequence
-from typing import Any
 
 from triggerflow.lease import Lease
-from triggerflow.store import Store, StoreError
+from triggerflow.lifecycle import Background
+from triggerflow.store import PresenceStore, StoreError
 from triggerflow.telemetry import get_metrics
 from triggerflow.transport import Transport, TransportUnavailable
 
@@ -34,7 +34,8 @@ class Presence:
     """
 
     def __init__(
-        self, store: Store, transport: Transport, lease: Lease, queues: Sequence[str], reap_now: asyncio.Event
+        self, store: PresenceStore, transport: Transport, lease: Lease, queues: Sequence[str],
+        reap_now: asyncio.Event,
     ) -> None:
         self.store = store
         self.transport = transport
@@ -43,7 +44,7 @@ class Presence:
         self.reap_now = reap_now
         self.name: str | None = None  # our connection's presence queue; None: presence off
         self._named_on = 0  # the consumer id whose row names it
-        self._checks: set[asyncio.Task[Any]] = set()  # strong refs until done
+        self._checks = Background()
 
     async def connected(self) -> None:
         """On each new broker connection: a new presence queue, named on our row."""
@@ -70,9 +71,7 @@ class Presence:
             log.warning("naming our presence queue failed (%r); retrying at the next renewal", exc)
 
     def _heard(self, name: str) -> None:
-        task = asyncio.get_running_loop().create_task(self._gone(name))
-        self._checks.add(task)
-        task.add_done_callback(self._checks.discard)
+        self._checks.spawn(self._gone(name))
 
     async def _gone(self, name: str) -> None:
         try:

@@ -11,8 +11,9 @@ import asyncio
 import logging
 from collections.abc import Callable, Sequence
 
+from triggerflow.consumer.admission import Admission
 from triggerflow.lease import Lease
-from triggerflow.store import Store, StoreError, TriggerSpec
+from triggerflow.store import ProbationStore, StoreError, TriggerSpec
 
 log = logging.getLogger(__name__)
 
@@ -20,28 +21,26 @@ log = logging.getLogger(__name__)
 class Probation:
     """Runs suspect groups one at a time, after ``suspects`` is set by a claim."""
 
-    def __init__(self, store: Store, lease: Lease, queues: Sequence[str], claim_lock: asyncio.Lock,
-                 start: Callable[[TriggerSpec], None], seconds: float,
-                 room: Callable[[], int]) -> None:
+    def __init__(self, store: ProbationStore, lease: Lease, queues: Sequence[str], admission: Admission,
+                 start: Callable[[TriggerSpec], None], seconds: float) -> None:
         self.store = store
         self.lease = lease
         self.queues = list(queues)
-        self.claim_lock = claim_lock
+        self.admission = admission  # its room: a probation group never takes more
         self.start = start
         self.seconds = seconds
-        self.room = room  # free capacity: a probation group never takes more
         self.suspects = asyncio.Event()
         self.group: list[int] = []
 
     async def run(self) -> None:
         while True:
             await self.suspects.wait()
-            room = self.room()
+            room = self.admission.room()
             if room <= 0:  # full: suspects wait until we have room (or another consumer does)
                 await asyncio.sleep(1)
                 continue
             try:
-                async with self.claim_lock:  # held at shutdown: no group starts then
+                async with self.admission.lock:  # held at shutdown: no group starts then
                     specs = await self.store.claim_probation(self.lease.me, self.queues, room)
             except StoreError:
                 await asyncio.sleep(1)

@@ -16,7 +16,7 @@ from array import array
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 
-from triggerflow.store import Store, TriggerRef
+from triggerflow.store import ClaimStore, TriggerRef
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ class _Bucket:
 class Reconciler:
     """Remembers fired triggers; ``after`` seconds later frees the ones whose row stayed."""
 
-    def __init__(self, store: Store, me: Callable[[], int], running: Callable[[int], bool],
+    def __init__(self, store: ClaimStore, me: Callable[[], int], running: Callable[[int], bool],
                  republish: Callable[[Sequence[TriggerRef]], Awaitable[None]],
                  after: float) -> None:
         self.store = store

@@ -33,7 +33,7 @@ from triggerflow.consumer.probation import Probation
 from triggerflow.lease import Lease
 from triggerflow.runner import Held, TriggerRunner
 from triggerflow.settings import Settings
-from triggerflow.store import Store, StoreError
+from triggerflow.store import ProbationStore, StoreError
 from triggerflow.store.interface import FreedTrigger, TriggerRef
 from triggerflow.telemetry import get_metrics
 from triggerflow.transport import TransportError
@@ -49,14 +49,14 @@ class Strikes:
     starts before the loops a block held up); ``republish`` sends wake-ups.
     """
 
-    def __init__(self, settings: Settings, store: Store, lease: Lease, runner: TriggerRunner,
-                 probation: Probation, spawn: Callable[[Coroutine[Any, Any, Any]], None],
+    def __init__(self, settings: Settings, store: ProbationStore, lease: Lease, runner: TriggerRunner,
+                 probation: Probation, spawn: Callable[[Coroutine[Any, Any, Any]], object],
                  republish: Callable[[Sequence[TriggerRef]], Coroutine[Any, Any, None]]) -> None:
         self.store = store
         self.lease = lease
         self.runner = runner
         self.probation = probation
-        self.claim_lock = probation.claim_lock  # the consumer's, held by every claim and take
+        self.claim_lock = probation.admission.lock  # held by every claim and take-over
         self.spawn = spawn
         self.republish = republish
         self.limit = settings.block_limit.total_seconds()

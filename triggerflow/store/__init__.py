@@ -1,7 +1,9 @@
-"""The durable record behind the loops: the :class:`Store` interface and its result types.
+"""The durable record behind the loops: the store's role protocols and their result types.
 
-Implementations: ``triggerflow.store.postgres`` (native mode, PostgreSQL) and
-``triggerflow.store.memory`` (in-process, for tests). Importing this package imports no driver.
+Roles (``roles``): each loop takes only the calls it makes. Implementations:
+``triggerflow.store.postgres`` (native mode, PostgreSQL), ``triggerflow.store.memory``
+(in-process, for tests) and ``triggerflow.airflow.store`` (Airflow mode). Importing this
+package imports no driver.
 """
 
 from triggerflow.store.interface import (
@@ -17,7 +19,6 @@ from triggerflow.store.interface import (
     ProcessKind,
     Reaped,
     Renewal,
-    Store,
     StoreAccessRefused,
     StoreError,
     StoreUnavailable,
@@ -25,20 +26,46 @@ from triggerflow.store.interface import (
     TriggerRef,
     TriggerSpec,
 )
+from triggerflow.store.roles import (
+    ClaimStore,
+    Closable,
+    ConsumerStore,
+    DeferralStore,
+    EventStore,
+    LeaseStore,
+    PresenceStore,
+    ProbationStore,
+    ReaperStore,
+    SdkStore,
+    ServingStore,
+    Store,
+    WriterStore,
+)
 
 __all__ = [
     "Applied",
     "Cancelled",
     "ClaimResult",
+    "ClaimStore",
+    "Closable",
+    "ConsumerStore",
+    "DeferralStore",
     "EventRefused",
+    "EventStore",
     "EventsLocked",
     "FreedTrigger",
     "KwargsError",
     "KwargsProblem",
+    "LeaseStore",
     "NewDeferral",
+    "PresenceStore",
+    "ProbationStore",
     "ProcessKind",
     "Reaped",
+    "ReaperStore",
     "Renewal",
+    "SdkStore",
+    "ServingStore",
     "Store",
     "StoreAccessRefused",
     "StoreError",
@@ -46,4 +73,5 @@ __all__ = [
     "Taker",
     "TriggerRef",
     "TriggerSpec",
+    "WriterStore",
 ]

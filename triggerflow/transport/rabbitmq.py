@@ -5,8 +5,9 @@ Names come from :class:`~triggerflow.transport.topology.Topology` (each team que
 deferral and control exchanges, so no header routes into another team's queue). The
 connection is not "robust": each component runs its own reconnect loop and re-subscribes
 explicitly (``transport.subscriptions``), because aio-pika's automatic restore has lost
-consumers before (aio-pika #231, #334, #536). aio-pika's errors do not leave this module:
-they become the transport's own. Imports nothing from the database side.
+consumers before (aio-pika #231, #334, #536). aio-pika's errors do not leave the adapter:
+``transport.amqp`` maps them to the transport's own. ``transport.declare`` declares the
+topology. Imports nothing from the database side.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import aio_pika
@@ -27,18 +28,24 @@ from aio_pika.abc import (
 )
 from yarl import URL
 
+from triggerflow.transport.amqp import (
+    CONNECTION_ERRORS,
+    AmqpDelivery,
+    connection_errors,
+    read_refusals,
+)
+from triggerflow.transport.declare import declare
 from triggerflow.transport.interface import (
     AccessRefused,
     DeliveryHandler,
     PublishRefused,
     QueueFull,
     QueueInfo,
-    SubscribeRefused,
     TransportUnavailable,
     Unroutable,
 )
-from triggerflow.transport.management import ManagementClient, vhost_of
-from triggerflow.transport.presence import relay_deleted_queues, watch_presence
+from triggerflow.transport.management import vhost_of
+from triggerflow.transport.presence import watch_presence
 from triggerflow.transport.topology import Topology
 from triggerflow.wire import (
     HEADER_REASON,
@@ -55,65 +62,6 @@ from triggerflow.wire import (
 __all__ = ["RabbitTransport", "Topology"]
 
 log = logging.getLogger(__name__)
-
-# Errors after which the connection (or channel) is gone and must be rebuilt.
-CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
-    aio_pika.exceptions.AMQPConnectionError,
-    aio_pika.exceptions.ChannelInvalidStateError,
-    aiormq.exceptions.ChannelInvalidStateError,
-    aiormq.exceptions.ConnectionClosed,
-    ConnectionError,
-    OSError,
-)
-
-
-# The broker refused who we are: a wrong password or unknown user (RabbitMQ closes the
-# connection during the handshake) or a virtual host this user may not open.
-ACCESS_ERRORS: tuple[type[BaseException], ...] = (
-    aiormq.exceptions.ProbableAuthenticationError,
-    aiormq.exceptions.AuthenticationError,
-    aiormq.exceptions.ConnectionNotAllowed,
-)
-
-
-@contextlib.asynccontextmanager
-async def _connection_errors() -> AsyncIterator[None]:
-    try:
-        yield
-    except ACCESS_ERRORS as exc:
-        raise AccessRefused(f"{type(exc).__name__}: {exc}") from exc
-    except CONNECTION_ERRORS as exc:
-        raise TransportUnavailable(repr(exc)) from exc
-
-
-class AmqpDelivery:
-    """A received AMQP message as a :class:`~triggerflow.transport.Delivery`."""
-
-    __slots__ = ("_message",)
-
-    def __init__(self, message: AbstractIncomingMessage) -> None:
-        self._message = message
-
-    @property
-    def body(self) -> bytes:
-        return self._message.body
-
-    @property
-    def routing_key(self) -> str:
-        return self._message.routing_key or ""
-
-    @property
-    def user_id(self) -> str | None:
-        return self._message.user_id
-
-    async def ack(self, *, multiple: bool = False) -> None:
-        async with _connection_errors():
-            await self._message.ack(multiple=multiple)
-
-    async def reject(self, *, requeue: bool = False) -> None:
-        async with _connection_errors():
-            await self._message.reject(requeue=requeue)
-
 
 class RabbitTransport:
     """One AMQP connection and one confirming channel: the Transport on RabbitMQ."""
@@ -139,7 +87,7 @@ class RabbitTransport:
             # the old connection would stay open on the broker otherwise.
             await self.close()
         self.closed.clear()
-        async with _connection_errors():
+        async with connection_errors():
             try:
                 self.connection = await aio_pika.connect(
                     self.url, client_properties={"connection_name": self.name}
@@ -162,7 +110,7 @@ class RabbitTransport:
 
     async def wait_closed(self, timeout: float) -> bool:
         with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(timeout):  # not wait_for: see consumer.lease
+            async with asyncio.timeout(timeout):  # not wait_for: see triggerflow.lease
                 await self.closed.wait()
         return self.closed.is_set()
 
@@ -190,39 +138,12 @@ class RabbitTransport:
 
     async def declare(self, team_queues: Sequence[str], *, delivery_limit: int = 5) -> None:
         """Idempotently declare exchanges, team queues, the events queue and dead letters;
-        with a management URL, also the length-limit policies of the team and dead queues.
-
-        This is also the migration from the shared deferral and control exchanges of older
-        versions: each queue gets its own exchanges; the old ones keep their bindings so
-        that clients not yet upgraded still deliver (docs/security.md, "Migrating")."""
+        with a management URL, also the length-limit policies (``transport.declare``)."""
         ch = self._channel()
-        t = self.topology
-        exchanges = dict(t.exchanges())
-        for team in team_queues:
-            exchanges.update(t.team_exchanges(team))
-        for name, kind in exchanges.items():
-            self._exchanges[name] = await ch.declare_exchange(
-                name, aio_pika.ExchangeType(kind), durable=True
-            )
-        dead_q = await ch.declare_queue(t.dead_queue, durable=True)
-        await dead_q.bind(t.dead, "#")
-        args = t.queue_arguments(delivery_limit)
-        events_q = await ch.declare_queue(t.events_queue, durable=True, arguments=args)
-        await events_q.bind(t.events, "#")
-        for team in team_queues:
-            q = await ch.declare_queue(team, durable=True, arguments=args)
-            await q.bind(t.deferrals_of(team), team)
         assert self.connection is not None
-        await relay_deleted_queues(self.connection, t)
-        if self.management_url is None:
-            log.warning("queue length limits not set (they need the management API: set "
-                        "TRIGGERFLOW_MANAGEMENT_URL, or load the policies of "
-                        "brokers/rabbitmq/definitions.json)")
-            return
-        vhost = vhost_of(self.url)
-        async with ManagementClient(self.management_url) as api:
-            for name, body in [t.dead_policy(), *map(t.limits_policy, team_queues)]:
-                await api.set_policy(vhost, name, body)
+        self._exchanges.update(await declare(
+            ch, self.connection, self.topology, team_queues,
+            delivery_limit=delivery_limit, management_url=self.management_url, url=self.url))
 
     async def exchange(self, name: str) -> AbstractExchange:
         ex = self._exchanges.get(name)
@@ -238,7 +159,7 @@ class RabbitTransport:
         """
         if self.connection is None:
             raise TransportUnavailable("not connected")
-        async with _connection_errors():
+        async with connection_errors():
             ch = await self.connection.channel(publisher_confirms=False)
             try:
                 q = await ch.declare_queue(name, passive=True)
@@ -279,7 +200,7 @@ class RabbitTransport:
             user_id=user_id,
         )
         try:
-            async with _connection_errors():
+            async with connection_errors():
                 await ex.publish(message, routing_key=routing_key, mandatory=mandatory)
         except aio_pika.exceptions.PublishError as exc:
             raise Unroutable(
@@ -305,23 +226,14 @@ class RabbitTransport:
         async def deliver(message: AbstractIncomingMessage) -> None:
             await handler(AmqpDelivery(message))
 
-        async with self._read_refusals(f"queue {queue!r}" if queue else "a control queue"), \
-                _connection_errors():
+        async with read_refusals(self.user, f"queue {queue!r}" if queue else "a control queue"), \
+                connection_errors():
             ch = self._channel()
             await ch.set_qos(prefetch_count=prefetch)
             # Without declare arguments the queue must exist (passive): a typo never creates
             # a queue nobody publishes to.
             q = await ch.declare_queue(queue, **(declare or {"passive": True}))
             return q, await q.consume(deliver)
-
-    @contextlib.asynccontextmanager
-    async def _read_refusals(self, what: str) -> AsyncIterator[None]:
-        """ACCESS_REFUSED on a subscription is permanent: say which user and queue."""
-        try:
-            yield
-        except aiormq.exceptions.ChannelAccessRefused as exc:
-            raise SubscribeRefused(
-                f"broker user {self.user!r} may not read {what}: {exc}") from exc
 
     async def subscribe(self, queue: str, handler: DeliveryHandler, *, prefetch: int) -> str:
         return (await self._consume(queue, handler, prefetch))[1]
@@ -338,20 +250,20 @@ class RabbitTransport:
         q, tag = await self._consume("", handler, prefetch, exclusive=True, auto_delete=True)
         for queue in queues:
             exchange = self.topology.control_of(queue)
-            async with self._read_refusals(f"control exchange {exchange!r}"), \
-                    _connection_errors():
+            async with read_refusals(self.user, f"control exchange {exchange!r}"), \
+                    connection_errors():
                 await q.bind(exchange, str(consumer_id))
         return tag
 
     async def watch_presence(self, on_gone: Callable[[str], None]) -> str | None:
         if self.connection is None:
             raise TransportUnavailable("not connected")
-        async with _connection_errors():
+        async with connection_errors():
             return await watch_presence(self.connection, self.topology, vhost_of(self.url),
                                         on_gone)
 
     async def unsubscribe(self, tag: str) -> None:
-        async with _connection_errors():
+        async with connection_errors():
             underlay = await self._channel().get_underlay_channel()
             await underlay.basic_cancel(tag)
 
@@ -359,7 +271,7 @@ class RabbitTransport:
         """False once the broker cancelled our consumer (queue deleted, failover...)."""
         if not self.is_open:
             return False
-        async with _connection_errors():
+        async with connection_errors():
             underlay: Any = await self._channel().get_underlay_channel()  # aiormq.Channel
         return tag in underlay.consumers
 

@@ -3,7 +3,10 @@
 A subscription can vanish without the connection closing (RabbitMQ's ``basic.cancel`` when a
 queue is deleted; on 3.10 a quorum queue deleted and declared again at once keeps a ghost
 consumer that swallows deliveries without sending them). Only a fresh subscribe heals the
-ghost, so with ``renew`` each check also re-subscribes (two frames). Reconnects back off
+ghost, so with ``renew`` a check also re-subscribes (two frames) once ``renew_interval`` has
+passed since the last renewal. Not on every check: each renewal drops the subscription from the
+broker's counts for a moment and from the management API's consumer list until its next
+statistics sample, and ``triggerflow status`` reads both. Reconnects back off
 exponentially with jitter, so many processes do not return in step after a broker restart.
 Works on any :class:`~triggerflow.transport.Transport`.
 """
@@ -13,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from functools import partial
 
@@ -40,18 +44,21 @@ class Subscriptions:
     """The queues one loop consumes (and its control queue), kept subscribed.
 
     ``prefetch`` bounds unacked deliveries per subscription; ``check_interval`` is how often
-    they are checked; ``renew`` re-subscribes on every check (see the module docstring).
+    they are checked; ``renew`` re-subscribes on the first check after each
+    ``renew_interval`` (see the module docstring; 0 renews on every check).
     While ``paused`` (a consumer at capacity) the team queues are not subscribed. A broker
     that refuses our credentials ``refusals.ACCESS_ATTEMPTS`` times in a row ends :meth:`run`
     with :class:`AccessRefused`; :meth:`problem` says why we are not subscribed, for readiness.
     """
 
     def __init__(self, transport: Transport, *, prefetch: int, check_interval: float,
-                 renew: bool = True) -> None:
+                 renew: bool = True, renew_interval: float = 0.0) -> None:
         self.transport = transport
         self.prefetch = prefetch
         self.check_interval = check_interval
         self.renew = renew
+        self.renew_interval = renew_interval
+        self._renewed_at = time.monotonic()
         self.connected = asyncio.Event()
         self.paused = False
         self.stopped = False
@@ -179,11 +186,15 @@ class Subscriptions:
             queues=[q for q in self._wanted if q != EVENTS])
 
     async def check(self) -> None:
-        """Re-subscribe what the broker dropped; with ``renew``, renew the rest too."""
+        """Re-subscribe what the broker dropped; with ``renew``, renew the rest too once
+        ``renew_interval`` has passed."""
+        renew = self.renew and time.monotonic() - self._renewed_at >= self.renew_interval
+        if renew:
+            self._renewed_at = time.monotonic()
         try:
             for queue, tag in list(self._tags.items()):
                 consuming = await self.transport.is_consuming(tag)
-                if consuming and not self.renew:
+                if consuming and not renew:
                     continue
                 if not consuming:
                     log.warning("subscription to %s was cancelled by the broker; "
@@ -195,7 +206,9 @@ class Subscriptions:
                     self._renewing.add(queue)  # dropped on purpose, for a few milliseconds
                     with contextlib.suppress(Exception):
                         await self.transport.unsubscribe(tag)
-                del self._tags[queue]
+                # pop, not del: a pause at capacity may have closed it while we awaited
+                # (a KeyError here reconnected, which peers read as this consumer's death)
+                self._tags.pop(queue, None)
             if self._control_tag and not await self.transport.is_consuming(self._control_tag):
                 await self._subscribe_control()
             await self.open()

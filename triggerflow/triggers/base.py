@@ -93,6 +93,10 @@ class BaseTrigger(abc.ABC):
 
     trigger_id: int | None = None
     task_key: str | None = None
+    # False: the first event ends the trigger (a deferred task's). True: every event is
+    # emitted and the trigger runs on until cancelled (Airflow's asset watchers and callback
+    # triggers, which have no task to resume: ``triggerflow.airflow.watchers``).
+    keeps_running: ClassVar[bool] = False
 
     def __init__(self, **kwargs: Any) -> None:  # noqa: B027 - subclasses take their own kwargs
         pass

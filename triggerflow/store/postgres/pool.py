@@ -32,6 +32,11 @@ DB_DISCONNECTED: tuple[type[BaseException], ...] = (
     # then fails with "cannot switch to state ...; another operation is in progress". Met by
     # the Airflow writer's fault test; unhandled, it ends a writer's apply task.
     asyncpg.InternalClientError,
+    # Connected to a standby (a URL without target_session_attrs=read-write that fell back to
+    # the next host): it refuses writes until it is promoted, after which the same session
+    # writes. Also TargetServerAttributeNotMatched (an InternalClientError above): no host
+    # was read-write yet, mid-failover.
+    asyncpg.ReadOnlySQLTransactionError,
 )
 
 # What an event's content alone makes PostgreSQL reject: invalid data (SQLSTATE class 22), a

@@ -1,6 +1,7 @@
 """Creating the database and applying the Alembic migrations shipped in the package.
 
-URLs are parsed with SQLAlchemy's ``make_url``, never edited as strings.
+URLs are parsed with SQLAlchemy's ``make_url`` (through :mod:`.urls`, which also takes a list
+of hosts), never edited as strings.
 """
 
 from __future__ import annotations
@@ -8,18 +9,19 @@ from __future__ import annotations
 from pathlib import Path
 
 import asyncpg
-from sqlalchemy.engine import make_url
+
+from triggerflow.store.postgres.urls import parse, render
 
 MIGRATIONS = Path(__file__).resolve().parents[2] / "migrations"
 
 
 def with_database(dsn: str, database: str) -> str:
     """``dsn`` pointing at another database of the same server."""
-    return make_url(dsn).set(database=database).render_as_string(hide_password=False)
+    return render(parse(dsn).set(database=database))
 
 
 def database_name(dsn: str) -> str:
-    return make_url(dsn).database or "postgres"
+    return parse(dsn).database or "postgres"
 
 
 async def ensure_database(dsn: str) -> bool:
@@ -44,6 +46,7 @@ def upgrade_schema(dsn: str, revision: str = "head") -> None:
 
     cfg = Config()
     cfg.set_main_option("script_location", str(MIGRATIONS))
-    url = make_url(dsn).set(drivername="postgresql+asyncpg")
+    # SQLAlchemy's asyncpg dialect takes the hosts as ``?host=`` parameters (parse's form)
+    url = parse(dsn).set(drivername="postgresql+asyncpg")
     cfg.set_main_option("sqlalchemy.url", url.render_as_string(hide_password=False).replace("%", "%%"))
     command.upgrade(cfg, revision)

@@ -1,0 +1,37 @@
+"""Event-driven scheduling: a DAG scheduled on an asset whose watcher is a trigger.
+
+``FileDeleteTrigger`` (providers-standard) fires once when its file appears, deletes it and
+ends; Airflow's triggerer then starts it again from its row, so each new file is one more
+asset event and one more DAG run. The trigger row has no queue (asset watchers never have):
+``airflow triggerer`` without ``--queues`` serves it, or triggerflow with ``--default-queue``.
+tests/test_airflow_assets.py runs it both ways. The file's path comes from the environment
+the stack's processes share (``TF_ASSET_FLAG``).
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import datetime, timedelta
+
+from airflow.providers.standard.triggers.file import FileDeleteTrigger
+from airflow.sdk import DAG, Asset, AssetWatcher, task
+
+FLAG = os.environ.get("TF_ASSET_FLAG", "/tmp/tf-asset-flag")
+
+flag_asset = Asset("tf_asset_flag", watchers=[
+    AssetWatcher(name="tf_flag_watcher", trigger=FileDeleteTrigger(filepath=FLAG,
+                                                                   poke_interval=0.5)),
+])
+
+with DAG("tf_asset_scheduled", schedule=[flag_asset], start_date=datetime(2026, 1, 1),
+         catchup=False,
+         # A retry absorbs a start the API server's one worker fails under load (a 400 on
+         # the task's start after a minute, seen here); the tests compare what the runs did.
+         default_args={"retries": 2, "retry_delay": timedelta(seconds=1)}):
+
+    @task
+    def consume_event(**context: object) -> int:
+        events = context["triggering_asset_events"]
+        return sum(len(v) for v in events.values())  # type: ignore[attr-defined]
+
+    consume_event()

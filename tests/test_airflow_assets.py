@@ -1,0 +1,222 @@
+"""Trigger rows with no task on a real Airflow 3.3.2 stack (scheduler, API server,
+dag-processor, LocalExecutor): a DAG scheduled by an asset whose watcher is
+``FileDeleteTrigger`` (``tests/airflow_asset_dags/triggerflow_assets.py``), and a deadline
+alert whose ``AsyncCallback`` runs on the triggerer (``triggerflow_deadline.py``).
+
+Each test has two phases on one stack, Airflow's own triggerer first as the oracle:
+1. ``airflow triggerer`` (no ``--queues``: the only triggerer that takes queue-less rows);
+2. no Airflow triggerer at all: ``triggerflow writer --airflow`` and ``consume --airflow
+   --queue default`` with ``--default-queue default``.
+In each phase the flag file is created twice, the second time after the first DAG run
+ended: the watcher must fire, stay (be started again after its ``run()`` ended, as Airflow
+does) and fire again. Compared between the phases: the asset events (``extra``, source
+columns), the DAG runs they created (``run_type``, ``triggered_by``, state, the asset event
+each consumed) and the task's result (how many asset events triggered it). For the deadline:
+the callback row Airflow's scheduler created (state, output, trigger detached) and the
+callable's own marker line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.airflow_stack import AirflowStack, airflow_bin
+from tests.airflow_support import airflow_template, serve_with_triggerflow, stack_database
+from tests.conftest import ROOT
+
+__all__ = ["airflow_template"]
+# Two phases of DAG runs per test: past the suite's 300 s per test under this machine's load.
+pytestmark = [pytest.mark.timeout(1500), pytest.mark.airflow_stack]
+
+DAGS = ROOT / "tests" / "airflow_asset_dags"
+DAG_ID = "tf_asset_scheduled"
+ASSET = "tf_asset_flag"
+FIRES = 2
+WAIT = 300.0  # seconds for one fire to become an ended DAG run, under load
+
+EVENTS = """
+SELECT ae.id, ae.extra, ae.source_dag_id, ae.source_task_id, ae.source_run_id,
+       ae.source_map_index
+FROM asset_event ae JOIN asset a ON a.id = ae.asset_id WHERE a.name = %s ORDER BY ae.id
+"""
+RUNS = """
+SELECT dr.run_id, dr.run_type, dr.triggered_by, dr.state,
+       array(SELECT dae.event_id FROM dagrun_asset_event dae WHERE dae.dag_run_id = dr.id
+             ORDER BY dae.event_id) AS events,
+       (SELECT x.value FROM xcom x WHERE x.dag_run_id = dr.id AND x.key = 'return_value')
+FROM dag_run dr WHERE dr.dag_id = %s ORDER BY dr.id
+"""
+WATCHER_ROWS = """
+SELECT t.id, t.queue FROM "trigger" t JOIN asset_watcher aw ON aw.trigger_id = t.id
+"""
+
+
+@pytest.fixture(scope="module")
+def flag() -> Iterator[Path]:
+    with tempfile.TemporaryDirectory(prefix="tf-asset-") as tmp:
+        yield Path(tmp) / "flag"
+
+
+@pytest.fixture(scope="module")
+def asset_stack(pg_server: str, airflow_template: str, flag: Path) -> Iterator[AirflowStack]:
+    stack = AirflowStack(pg_server, DAGS, extra_env={
+        "PYTHONPATH": str(ROOT), "TF_ASSET_FLAG": str(flag),
+        "TF_DEADLINE_MARKER": str(flag.with_name("deadline-marker"))})
+    with stack_database(stack, airflow_template):
+        stack.start()
+        yield stack
+    assert stack.leftovers() == [], "Airflow processes outlived the stack"
+
+
+def _query(stack: AirflowStack, sql: str, *args: Any) -> list[tuple[Any, ...]]:
+    import psycopg2  # type: ignore[import-untyped]
+
+    conn = psycopg2.connect(stack.database_url)
+    try:
+        with conn.cursor() as cur:
+            cur.execute(sql, args)
+            return list(cur.fetchall())
+    finally:
+        conn.close()
+
+
+def _wait(stack: AirflowStack, what: str, check: Any, timeout: float = WAIT) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        stack.check_alive()
+        found = check()
+        if found:
+            return found
+        time.sleep(0.3)
+    raise AssertionError(f"{what} not within {timeout:.0f}s\n{stack.tail_logs()}")
+
+
+def fire_twice(stack: AirflowStack, flag: Path) -> dict[str, Any]:
+    """Create the flag ``FIRES`` times, each after the previous DAG run ended; returns the
+    asset events and DAG runs that appeared, in the shape both phases are compared in."""
+    events_before = {r[0] for r in _query(stack, EVENTS, ASSET)}
+    runs_before = {r[0] for r in _query(stack, RUNS, DAG_ID)}
+    seconds = []
+    for n in range(1, FIRES + 1):
+        flag.write_text(f"fire {n}\n")
+        t0 = time.monotonic()
+        _wait(stack, f"fire {n}: the watcher deleting the flag", lambda: not flag.exists())
+        _wait(stack, f"fire {n}: DAG run {n} ended", lambda n=n: len(
+            [r for r in _query(stack, RUNS, DAG_ID)
+             if r[0] not in runs_before and r[3] in ("success", "failed")]) >= n)
+        seconds.append(time.monotonic() - t0)
+    time.sleep(3.0)  # anything extra (a duplicate event, a third run) shows up by now
+    events = [r for r in _query(stack, EVENTS, ASSET) if r[0] not in events_before]
+    runs = [r for r in _query(stack, RUNS, DAG_ID) if r[0] not in runs_before]
+    index = {row[0]: i for i, row in enumerate(events)}  # event ids differ between phases
+    return {
+        "events": [row[1:] for row in events],
+        "runs": [(run_type, triggered_by, state, [index.get(e) for e in consumed],
+                  json.loads(value) if isinstance(value, str) else value)
+                 for _, run_type, triggered_by, state, consumed, value in runs],
+        "seconds": seconds,
+    }
+
+
+def serve_triggerflow(stack: AirflowStack, amqp_server: str) -> list[str]:
+    """Queue-less rows to triggerflow's ``default`` queue; ``CallbackTrigger`` allowed."""
+    return serve_with_triggerflow(
+        stack, amqp_server, ["default"], f"tfas{os.getpid()}", default_queue="default",
+        allowed_modules=["airflow.providers.standard.triggers", "airflow.triggers.callback"])
+
+
+Outcome = dict[str, Any]
+
+
+def oracle_then_triggerflow(stack: AirflowStack, amqp_server: str,
+                            case: Callable[[], Outcome]) -> tuple[Outcome, Outcome]:
+    """``case`` under Airflow's own triggerer (no ``--queues``: it takes queue-less rows),
+    then under triggerflow alone, no Airflow triggerer process: both outcomes."""
+    stack.spawn("triggerer", [str(airflow_bin()), "triggerer"])
+    try:
+        stack.wait_healthy(["triggerer"], 120)
+        oracle = case()
+    finally:
+        stack.stop_process("triggerer")
+    names = serve_triggerflow(stack, amqp_server)
+    try:
+        assert "triggerer" not in stack.processes
+        ours = case()
+    finally:
+        for name in names:
+            stack.stop_process(name)
+    return oracle, ours
+
+
+def test_asset_watcher_schedules_dag_runs_as_under_airflow_triggerer(
+        asset_stack: AirflowStack, flag: Path, amqp_server: str) -> None:
+    stack = asset_stack
+    stack.wait_for_dags([DAG_ID])
+    rows = _wait(stack, "the watcher's trigger row", lambda: _query(stack, WATCHER_ROWS), 120)
+    assert [queue for _, queue in rows] == [None], rows  # a watcher's row has no queue
+
+    # The same trigger row, first under the oracle, then under triggerflow alone.
+    oracle, ours = oracle_then_triggerflow(stack, amqp_server, lambda: fire_twice(stack, flag))
+
+    where = f"\noracle {oracle}\ntriggerflow {ours}"
+    expected_event = ({"from_trigger": True, "payload": True}, None, None, None, -1)
+    assert oracle["events"] == [expected_event] * FIRES, where
+    assert ours["events"] == oracle["events"], where
+    assert oracle["runs"] == [("asset_triggered", "ASSET", "success", [i], 1)
+                              for i in range(FIRES)], where
+    assert ours["runs"] == oracle["runs"], where
+    print(f"\nseconds from flag to ended DAG run: airflow triggerer {oracle['seconds']}, "
+          f"triggerflow {ours['seconds']}")
+
+
+CALLBACKS = """
+SELECT cb.id, cb.type, cb.fetch_method, cb.state, cb.output, cb.trigger_id IS NULL,
+       cb.data::text LIKE '%%tests.airflow_triggers.deadline_missed%%'
+FROM callback cb ORDER BY cb.created_at
+"""
+DEADLINE_DAG = "tf_deadline_missed"
+
+
+def miss_deadline(stack: AirflowStack, marker: Path) -> dict[str, Any]:
+    """One DAG run that overruns its deadline; its callback's row once it ended."""
+    before = {r[0] for r in _query(stack, CALLBACKS)}
+    run_id = stack.trigger_dag(DEADLINE_DAG)
+    rows = _wait(stack, "the deadline's callback ended", lambda: [
+        r for r in _query(stack, CALLBACKS)
+        if r[0] not in before and r[3] in ("success", "failed")])
+    _wait(stack, "the DAG run ended", lambda: [r for r in _query(stack, RUNS, DEADLINE_DAG)
+                                               if r[0] == run_id and r[3] == "success"])
+    time.sleep(3.0)  # a second run of the callback would show by now
+    lines = marker.read_text().splitlines() if marker.exists() else []
+    return {"callbacks": [r[1:] for r in _query(stack, CALLBACKS) if r[0] not in before],
+            # the callable ran once per miss, given its DAG run's context
+            "marker": [run_id in line for line in lines], "ended": len(rows)}
+
+
+def test_deadline_callback_runs_as_under_airflow_triggerer(
+        asset_stack: AirflowStack, flag: Path, amqp_server: str) -> None:
+    stack = asset_stack
+    marker = flag.with_name("deadline-marker")
+    stack.wait_for_dags([DEADLINE_DAG])
+
+    def case() -> dict[str, Any]:
+        try:
+            return miss_deadline(stack, marker)
+        finally:
+            marker.unlink(missing_ok=True)
+
+    oracle, ours = oracle_then_triggerflow(stack, amqp_server, case)
+
+    where = f"\noracle {oracle}\ntriggerflow {ours}"
+    assert oracle["callbacks"] == [
+        ("triggerer", "import_path", "success", "deadline missed", True, True)], where
+    assert oracle["marker"] == [True], where  # called once, given its DAG run's context
+    assert ours == oracle, where

@@ -1,0 +1,129 @@
+"""Trigger rows with no deferred task: asset watchers and callback triggers.
+
+Airflow 3.3.2's triggerer runs such a row (``trigger.assets`` or ``trigger.callback`` set,
+``trigger.queue`` NULL, so only a triggerer without ``--queues`` takes it) like any other,
+but differently on three points, each matched here:
+
+* every event the trigger yields goes to ``Trigger.submit_event``, not only the first: for
+  each asset the row watches ``AssetManager.register_asset_change`` records an asset event
+  (``extra = {"from_trigger": True, "payload": ...}``) and queues the DAG runs it schedules;
+  a callback row's ``Callback.handle_event`` records the callback's state and output;
+* the trigger keeps running after an event; when its ``run()`` ends or raises, the row is
+  still assigned to the triggerer, so its next loop (about a second later) builds and starts
+  the trigger again from the row (``TriggerRunnerSupervisor.update_triggers``); a failure
+  fails no task (``submit_failure`` finds none);
+* it stops when the row goes: the DAG no longer declares the watcher (dag-processor), or the
+  callback reached a terminal state, and ``clean_unused`` deletes the row.
+
+``WatcherCoroutine`` is the consumer's side (``keeps_running``: the runner emits each event
+and steps on); ``nontask`` holds the SQL the store uses to claim and keep these rows; the
+writer applies their events with Airflow's own ``Trigger.submit_event``
+(``orm.apply_watcher_events``). Rows without a queue are triggerflow's only with
+``--default-queue``.
+
+Importing this module imports Airflow (through ``codec``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+import os
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import greenback
+
+from triggerflow.airflow.codec import Encoded, encode_event
+from triggerflow.airflow.runtime import CURRENT_TRIGGER
+from triggerflow.loader import AllowedClasses
+from triggerflow.store.interface import TriggerSpec
+from triggerflow.triggers.base import BaseTrigger, TriggerEvent
+
+log = logging.getLogger(__name__)
+
+# Airflow's triggerer re-creates an ended watcher on its next loop, which waits up to 1 s for
+# the runner's messages first (``TriggerRunnerSupervisor.run_once``).
+RESTART_DELAY = 1.0
+# A callback row's trigger (``TriggererCallback.queue``): its last event is terminal, after
+# which Airflow detaches and deletes the row, so it is never started again.
+CALLBACK_TRIGGER = "airflow.triggers.callback.CallbackTrigger"
+
+
+class WatcherEvent(TriggerEvent):
+    """One event of a watcher row, already in the wire form (serde of the payload)."""
+
+    def __init__(self, body: str) -> None:
+        super().__init__(Encoded(body))
+
+
+class WatcherCoroutine(BaseTrigger):
+    """An Airflow trigger of an asset watcher or callback row, run as Airflow's triggerer
+    runs it: every event emitted, restarted ``RESTART_DELAY`` after its ``run()`` ends."""
+
+    keeps_running = True
+
+    def __init__(self, build: Callable[[], Any], restart_delay: float | None = RESTART_DELAY
+                 ) -> None:
+        self.build = build  # a fresh Airflow trigger object from the row, as Airflow builds it
+        self.restart_delay = restart_delay  # None: run once (a callback's trigger)
+        self.current: Any = None
+
+    def serialize(self) -> tuple[str, dict[str, Any]]:
+        trigger = self.current
+        if trigger is None:
+            return "triggerflow.airflow.watchers.WatcherCoroutine", {}
+        classpath, kwargs = trigger.serialize()
+        return str(classpath), dict(kwargs)
+
+    async def run(self) -> AsyncIterator[TriggerEvent]:
+        CURRENT_TRIGGER.set(self.trigger_id)
+        if os.environ.get("AIRFLOW_DISABLE_GREENBACK_PORTAL", "").lower() != "true":
+            await greenback.ensure_portal()
+        while True:
+            self.current = trigger = self.build()
+            trigger.trigger_id = self.trigger_id
+            events = 0
+            agen = trigger.run()
+            try:
+                async for event in agen:
+                    events += 1
+                    _, body = encode_event(event)
+                    yield WatcherEvent(body)
+                log.info("trigger %s (ID %s) ended after %d event(s)",
+                         type(trigger).__qualname__, self.trigger_id, events)
+            except Exception:
+                # Airflow: logged, submit_failure (no task to fail), then started again.
+                log.exception("trigger %s (ID %s) raised; starting it again",
+                              type(trigger).__qualname__, self.trigger_id)
+            finally:
+                await agen.aclose()
+                try:
+                    await trigger.cleanup()
+                except Exception:
+                    log.warning("cleanup of %s failed", type(trigger).__qualname__,
+                                exc_info=True)
+                self.current = None
+            if self.restart_delay is None:
+                return
+            await asyncio.sleep(self.restart_delay)
+
+    async def cleanup(self) -> None:
+        # run()'s own ``finally`` cleaned each trigger it started; nothing is left here.
+        return None
+
+
+def watcher(loader: AllowedClasses, spec: TriggerSpec, first: Any) -> WatcherCoroutine:
+    """``first`` (built by the loader, so a bad row fails as any other) runs first; each
+    restart builds a new object from the row's kwargs, as Airflow's triggerer does (a copy:
+    a trigger may change what it was given, as ``CallbackTrigger`` pops ``context``)."""
+    pristine = copy.deepcopy(spec.kwargs or {})
+    built = [first]
+
+    def build() -> Any:
+        if built:
+            return built.pop()
+        return loader.resolve(spec.classpath)(**copy.deepcopy(pristine))
+
+    return WatcherCoroutine(build, None if spec.classpath == CALLBACK_TRIGGER else RESTART_DELAY)

@@ -1,0 +1,72 @@
+"""The consumer's cancel sweep: held triggers whose task moved on are stopped.
+
+Every ``cancel_sweep_interval`` the store says which triggers' tasks left them
+(``Store.sweep_cancelled``) and the consumer stops those it runs (``cleanup()`` runs; their
+bookkeeping goes). A store that can also say *when* to look (``PromptCancels``: Airflow
+mode's LISTEN on its cancel log, ``airflow/cancels.py``) wakes the sweep at once, so a
+trigger stops within milliseconds of its task's end instead of within the interval; the
+interval stays as the backstop for a signal lost while reconnecting. Nothing is read while
+nothing is held, so an idle consumer costs no statement here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+from contextlib import AbstractAsyncContextManager
+from typing import Protocol, runtime_checkable
+
+from triggerflow.store import ClaimStore, StoreError
+
+log = logging.getLogger(__name__)
+
+
+@runtime_checkable
+class PromptCancels(Protocol):
+    """A store that signals cancellations: ``wake()`` is called soon after one happens."""
+
+    def watch_cancels(self, wake: Callable[[], None]) -> AbstractAsyncContextManager[None]: ...
+
+
+class CancelSweep:
+    """Runs ``sweep`` every ``interval`` seconds, and at once when the store signals."""
+
+    def __init__(
+        self,
+        store: ClaimStore,
+        me: Callable[[], int],
+        held: Callable[[], bool],
+        cancel: Callable[[list[int]], Awaitable[int]],
+        interval: float,
+    ) -> None:
+        self.store = store
+        self.me = me
+        self.held = held
+        self.cancel = cancel
+        self.interval = interval
+        self.signal = asyncio.Event()
+
+    async def run(self) -> None:
+        watching: AbstractAsyncContextManager[None] = (
+            self.store.watch_cancels(self.signal.set)
+            if isinstance(self.store, PromptCancels)
+            else contextlib.nullcontext()
+        )
+        async with watching:
+            while True:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.signal.wait(), self.interval)
+                # cleared before the read: a signal arriving during it sweeps again
+                self.signal.clear()
+                if self.held():
+                    await self.sweep()
+
+    async def sweep(self) -> int:
+        try:
+            ids = await self.store.sweep_cancelled(self.me())
+            return await self.cancel(ids) if ids else 0
+        except StoreError as exc:  # transient: the next sweep tries again
+            log.warning("cancel sweep failed: %r", exc)
+            return 0

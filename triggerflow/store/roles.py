@@ -1,0 +1,271 @@
+"""The store by role: each loop depends on the calls it makes and nothing more.
+
+A store implements the roles its mode serves. ``postgres`` (native mode) and ``memory`` (its
+in-process twin, for fast tests) implement them all; ``triggerflow.airflow.store`` serves
+every role but :class:`DeferralStore` from Airflow's tables (there tasks defer and are
+cancelled through Airflow's API server). Who takes which role:
+
+==========================  =====================================================  ==========
+role                        calls                                                  taken by
+==========================  =====================================================  ==========
+:class:`LeaseStore`         register, renew, unregister                            ``lease``
+:class:`PresenceStore`      announce_presence, presence_gone                       consumer's presence watch
+:class:`ClaimStore`         claim, release, release_lost, fail_unloadable,         consumer, reconcile
+                            other_loaders, forget, sweep_cancelled
+:class:`ProbationStore`     claim_probation, clear_probation, strike               probation, strikes
+:class:`EventStore`         apply_events, apply_unlocked                           ``writer``
+:class:`ReaperStore`        reap_dead, resend_unclaimed, time_out_orphans,         ``reaper``
+                            waiting_queues, queue_consumers
+:class:`DeferralStore`      defer, undo_defer, cancel                              ``sdk``
+==========================  =====================================================  ==========
+
+Composed: :class:`ConsumerStore` (what a consumer process uses), :class:`WriterStore` (a
+writer process), :class:`ServingStore` (both, and ``close``: what a :class:`~triggerflow.
+modes.Mode` connects), :class:`SdkStore` (deferrals and ``close``) and :class:`Store` (every
+role: the native and in-memory stores).
+
+Contract shared by every implementation (``tests/contract`` runs it on each):
+
+* **Fencing by attempt.** A claim raises a trigger's ``attempt``; an event applies only when
+  its (trigger id, attempt, queue) is the current one and the task is still deferred on it.
+* **Leases by clock.** A process's lease (its ``register`` row) lives ``ttl`` seconds from
+  its last ``renew``; a trigger whose owner's lease expired may be claimed by anyone.
+* **Idempotence.** Re-applying an event, re-claiming an owned id, releasing twice: no change.
+
+Errors and values: :mod:`triggerflow.store.interface`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from triggerflow.store.interface import (
+    Applied,
+    Cancelled,
+    ClaimResult,
+    FreedTrigger,
+    NewDeferral,
+    ProcessKind,
+    Reaped,
+    Renewal,
+    Taker,
+    TriggerRef,
+    TriggerSpec,
+)
+from triggerflow.wire import Event
+
+
+class Closable(Protocol):
+    async def close(self) -> None:
+        """Release the store's connections (whoever connected it closes it)."""
+        ...
+
+
+class LeaseStore(Protocol):
+    """A process's lease: the row that says it is alive, and what renewing it saw."""
+
+    async def register(
+        self,
+        kind: ProcessKind,
+        host: str,
+        pid: int,
+        queues: Sequence[str],
+        capacity: int,
+        version: str,
+        ttl: float,
+    ) -> int:
+        """Start a lease of ``ttl`` seconds; returns this process's id."""
+        ...
+
+    async def renew(
+        self,
+        me: int,
+        ttl: float,
+        running: int,
+        queues: Sequence[str],
+        *,
+        subscribed: bool = True,
+        clock_skew: float | None = None,
+    ) -> Renewal | None:
+        """Extend my lease; None when it had already expired (I am fenced: stop everything).
+        ``subscribed``: whether I am subscribed on the broker; only consumers that are count
+        as live peers (capacity) for anyone's rebalancing and consumer counts.
+        ``clock_skew``: my clock's last measured offset from the database's, kept on my row
+        for ``status``."""
+        ...
+
+    async def unregister(self, me: int) -> None:
+        """Leave; triggers still owned are freed and dated back so they are re-sent at once."""
+        ...
+
+
+class PresenceStore(Protocol):
+    """The broker's word that a consumer's connection closed ends its lease at once."""
+
+    async def announce_presence(self, me: int, presence: str) -> bool:
+        """Name the broker presence queue of my current connection (the one whose deletion
+        says my connection closed); False when my row is gone."""
+        ...
+
+    async def presence_gone(self, presence: str, queues: Sequence[str]) -> list[int]:
+        """The broker deleted ``presence``: end now the lease of the live consumer of one of
+        ``queues`` whose current connection it named, as if it had expired (the same
+        incarnation only: a consumer that reconnected named another); returns its id."""
+        ...
+
+
+class ClaimStore(Protocol):
+    """A consumer's triggers: claim the delivered ones, hand them back, drop finished ones."""
+
+    async def claim(self, me: int, ids: Sequence[int], queues: Sequence[str]) -> ClaimResult:
+        """Take the delivered ids of my queues that no live owner holds."""
+        ...
+
+    async def release(
+        self,
+        me: int,
+        ids: Sequence[int] | None = None,
+        *,
+        cannot_load: bool = False,
+        reason: str | None = None,
+    ) -> list[TriggerRef]:
+        """Hand back my triggers (all when ``ids`` is None), no failure counted; with
+        ``cannot_load`` remember that I refused them so the next claim passes them on."""
+        ...
+
+    async def release_lost(self, me: int, ids: Sequence[int], attempts: Sequence[int]) -> list[TriggerRef]:
+        """Reconcile: free the rows among ``ids`` I still own at exactly ``attempts`` though I
+        no longer run them (their event was lost), to be re-sent. Reads only these rows."""
+        ...
+
+    async def fail_unloadable(self, me: int, ids: Sequence[int]) -> list[int]:
+        """Of the unowned triggers I refused, fail (``__fail__`` naming the class) those no
+        other live consumer of their queue may still load; returns their ids."""
+        ...
+
+    async def other_loaders(self, trigger_id: int, me: int) -> int:
+        """Live consumers of the trigger's queue, other than me, that have not refused it."""
+        ...
+
+    async def forget(self, me: int, ids: Sequence[int]) -> None:
+        """Drop triggers I held and stopped because their task was cancelled."""
+        ...
+
+    async def sweep_cancelled(self, me: int) -> list[int]:
+        """Drop triggers I hold whose task is no longer deferred on them; returns their ids."""
+        ...
+
+
+class ProbationStore(Protocol):
+    """Suspects and quarantine: run suspects in halving groups, strike a loop-blocker."""
+
+    async def claim_probation(
+        self, me: int, queues: Sequence[str], limit: int | None = None
+    ) -> list[TriggerSpec]:
+        """Claim half of the worst suspects (at most ``limit``: my free capacity) and record
+        them as my probation group."""
+        ...
+
+    async def clear_probation(self, me: int, ids: Sequence[int]) -> None:
+        """The probation group survived: clear their failure counts."""
+        ...
+
+    async def strike(
+        self, me: int, trigger_id: int, attempt: int, blocked: float, max_failures: int
+    ) -> FreedTrigger | None:
+        """The trigger blocked my event loop for ``blocked`` seconds at ``attempt``: count one
+        failure against it and free it to be re-sent, or at ``max_failures`` quarantine it
+        as ``reap_dead`` does (its task fails naming the class and the block, rounded to
+        0.1 s). Only while the row is still at ``attempt``, held by me or by nobody (my lease
+        may have expired meanwhile); None when it is not (taken since, struck, or gone). The
+        strike raises the attempt: recorded twice it counts once."""
+        ...
+
+
+class EventStore(Protocol):
+    """The writer's one job: apply fired events, fenced."""
+
+    async def apply_events(self, events: Sequence[Event]) -> list[Applied]:
+        """Apply a batch in one transaction, fenced by attempt and queue; stale, duplicate
+        or unknown events change nothing. Raises :class:`EventRefused` on bad content,
+        :class:`EventsLocked` when rows held elsewhere outlast the lock timeout."""
+        ...
+
+    async def apply_unlocked(self, events: Sequence[Event]) -> tuple[list[Applied], list[Event]]:
+        """As ``apply_events``, never waiting for a row lock: applies the events whose rows no
+        other transaction holds and returns (applied, the events whose rows are held)."""
+        ...
+
+
+class ReaperStore(Protocol):
+    """What nobody runs any more: dead owners' triggers, lost wake-ups, orphaned tasks
+    (``queues`` None: every queue)."""
+
+    async def reap_dead(
+        self,
+        queues: Sequence[str] | None,
+        max_failures: int,
+        limit: int | None = None,
+        taker: Taker | None = None,
+    ) -> Reaped:
+        """Free the triggers of expired owners, blaming and quarantining as probation says;
+        at most ``limit`` a call where the store batches (fewer returned: none are left).
+        With a ``taker`` (``queues`` given), what it may run becomes its own instead of
+        free; a store may also take none and free them all."""
+        ...
+
+    async def resend_unclaimed(
+        self, queues: Sequence[str] | None, grace: float, limit: int
+    ) -> list[TriggerRef]:
+        """Triggers nobody claimed within ``grace`` seconds, marked dispatched again."""
+        ...
+
+    async def time_out_orphans(self, queues: Sequence[str] | None, max_deferral: float) -> list[TriggerRef]:
+        """Fail deferred tasks past their timeout whose trigger runs nowhere; their triggers
+        (gone now), with their queues for the timed-out counter."""
+        ...
+
+    async def waiting_queues(self, grace: float) -> list[str]:
+        """Queues with triggers unclaimed for longer than ``grace`` seconds."""
+        ...
+
+    async def queue_consumers(self, queues: Sequence[str]) -> dict[str, int]:
+        """Live consumers per queue."""
+        ...
+
+
+class DeferralStore(Protocol):
+    """The SDK's side: record deferrals, undo one that could not be published, cancel."""
+
+    async def defer(self, deferrals: Sequence[NewDeferral]) -> list[int]:
+        """Record triggers and move their tasks to ``deferred`` in one transaction."""
+        ...
+
+    async def undo_defer(self, ids: Sequence[int], error: str) -> None:
+        """A deferral that could not be published: drop its triggers and fail its tasks."""
+        ...
+
+    async def cancel(self, ids: Sequence[int], state: str) -> list[Cancelled]:
+        """Move tasks deferred on ``ids`` to ``state``; unowned triggers go at once."""
+        ...
+
+
+class ConsumerStore(LeaseStore, PresenceStore, ClaimStore, ProbationStore, ReaperStore, Protocol):
+    """What a consumer process uses (it reaps its queues' dead peers itself)."""
+
+
+class WriterStore(LeaseStore, EventStore, ReaperStore, Protocol):
+    """What a writer process uses."""
+
+
+class ServingStore(ConsumerStore, WriterStore, Closable, Protocol):
+    """What a mode connects for its consumers and writers."""
+
+
+class SdkStore(DeferralStore, Closable, Protocol):
+    """What the SDK connects."""
+
+
+class Store(ServingStore, DeferralStore, Protocol):
+    """Every role: the native and in-memory stores."""
