@@ -4,11 +4,17 @@ consumers, overdue and quarantined triggers, and the problems among them (exit 3
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from triggerflow.redact import Redactor
 from triggerflow.settings import Settings
 from triggerflow.transport import QueueInfo
+
+if TYPE_CHECKING:
+    from triggerflow.transport.management import ManagementClient
+
+T = TypeVar("T")
 
 SECOND_LOOK = 0.5  # seconds: longer than a subscription renewal's gap, short for a person
 
@@ -111,7 +117,8 @@ async def collect_status(settings: Settings) -> dict[str, Any]:
         await asyncio.sleep(SECOND_LOOK)
         again, _ = await amqp_queue_info(settings, sorted({u["queue"] for u in unsubscribed}))
         if subscribed is not None:
-            subscribed |= await subscriptions_again(settings)
+            later, _ = await ask_management(settings, lambda api, vhost: api.subscriptions(vhost))
+            subscribed = subscribed_in_either(subscribed, later)
         unsubscribed = not_subscribed(checked, subscribed,
                                       most_consumers(broker_info, again), grace)
     problems += [u["problem"] for u in unsubscribed]
@@ -127,44 +134,49 @@ async def collect_status(settings: Settings) -> dict[str, Any]:
             "overdue_tasks": overdue, "quarantined": quarantined, "problems": problems}
 
 
+async def ask_management(
+    settings: Settings, question: Callable[[ManagementClient, str], Awaitable[T]],
+) -> tuple[T | None, str | None]:
+    """``question(api, vhost)`` answered by the management API, or why it could not be."""
+    from triggerflow.transport.management import (
+        ManagementClient,
+        ManagementUnavailable,
+        vhost_of,
+    )
+
+    try:
+        async with ManagementClient(settings.management_dsn()) as api:
+            return await question(api, vhost_of(settings.amqp_dsn())), None
+    except ManagementUnavailable as exc:
+        return None, str(exc)
+
+
 async def broker_view(
     settings: Settings, shared: list[str],
 ) -> tuple[dict[str, Any], set[tuple[str, str]] | None, str | None]:
     """From the management API: every team queue (bound to the deferrals exchange) and the
     shared queues by name, the (queue, connection name) subscriptions, or why it could not."""
-    from triggerflow.transport.management import (
-        ManagementClient,
-        ManagementUnavailable,
-        vhost_of,
-    )
     from triggerflow.transport.rabbitmq import Topology
 
-    vhost = vhost_of(settings.amqp_dsn())
-    try:
-        async with ManagementClient(settings.management_dsn()) as api:
-            found: dict[str, Any] = dict(await api.team_queues(
-                vhost, Topology(settings.namespace).deferrals))
-            found.update(await api.queues(vhost, set(shared)))
-            subscribed = await api.subscriptions(vhost)
-    except ManagementUnavailable as exc:
-        return {}, None, str(exc)
-    return found, subscribed, None
+    async def ask(api: ManagementClient,
+                  vhost: str) -> tuple[dict[str, Any], set[tuple[str, str]]]:
+        found: dict[str, Any] = dict(await api.team_queues(
+            vhost, Topology(settings.namespace).deferrals))
+        found.update(await api.queues(vhost, set(shared)))
+        return found, await api.subscriptions(vhost)
+
+    answer, error = await ask_management(settings, ask)
+    if answer is None:
+        return {}, None, error
+    return answer[0], answer[1], None
 
 
-async def subscriptions_again(settings: Settings) -> set[tuple[str, str]]:
-    """The management API's (queue, connection name) subscriptions once more; none if it
-    cannot be asked now."""
-    from triggerflow.transport.management import (
-        ManagementClient,
-        ManagementUnavailable,
-        vhost_of,
-    )
-
-    try:
-        async with ManagementClient(settings.management_dsn()) as api:
-            return await api.subscriptions(vhost_of(settings.amqp_dsn()))
-    except ManagementUnavailable:
-        return set()
+def subscribed_in_either(first: set[tuple[str, str]],
+                         second: set[tuple[str, str]] | None) -> set[tuple[str, str]]:
+    """The subscriptions of two management API looks (the second may have failed): a renewal
+    takes a subscription off the list until the broker's next statistics sample, so a
+    consumer either look lists is subscribed."""
+    return first | (second or set())
 
 
 async def amqp_queue_info(settings: Settings,
