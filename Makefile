@@ -44,13 +44,13 @@ stage = { $(1) || { rc=$$?; [ $$rc -eq 5 ] || status=$$rc; }; }
 
 test: venv tools
 	@status=0; \
-	$(call stage,$(PYTEST) -n $(TEST_WORKERS) --dist loadgroup -m "not serial and not airflow_stack" $(PYTEST_ARGS)); \
-	$(call stage,$(PYTEST) -m "serial and not airflow_stack" $(PYTEST_ARGS)); \
+	$(call stage,$(PYTEST) --durations=15 -n $(TEST_WORKERS) --dist loadgroup -m "not serial and not airflow_stack" $(PYTEST_ARGS)); \
+	$(call stage,$(PYTEST) --durations=10 -m "serial and not airflow_stack" $(PYTEST_ARGS)); \
 	exit $$status
 
 test-airflow: venv tools
 	@status=0; \
-	$(call stage,$(PYTEST) -m airflow_stack $(PYTEST_ARGS)); \
+	$(call stage,$(PYTEST) --durations=10 -m airflow_stack $(PYTEST_ARGS)); \
 	exit $$status
 
 demo: $(STAMP_RUN) services

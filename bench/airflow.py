@@ -41,14 +41,21 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from bench.airflow_seed import bench_dag
-from bench.airflow_waiting import roles, waiting
+from bench.airflow_serve import (
+    QUEUE,
+    TRIGGERFLOW,
+    Served,
+    serve_with_airflow_triggerer,
+    serve_with_triggerflow,
+)
+from bench.airflow_waiting import waiting
 from bench.common import dist, median_of, with_checkout
 from tests.airflow_stack import AirflowStack
 
 if TYPE_CHECKING:
     from triggerflow.settings import Settings
 
-QUEUE = "team-bench"
+__all__ = ["QUEUE", "TRIGGERFLOW", "measure", "run_airflow_bench", "seed_rows"]
 
 
 @dataclass(frozen=True)
@@ -115,60 +122,6 @@ class _Db:
 
     def close(self) -> None:
         self.conn.close()
-
-
-@dataclass(frozen=True)
-class Served:
-    """Who serves the triggers: the process whose memory is measured (the one holding the
-    waiting triggers) and the query counting the triggers it holds."""
-
-    name: str
-    process: str
-    held_sql: str
-
-
-AIRFLOW_TRIGGERER = Served("airflow triggerer", "triggerer",
-                           "SELECT count(*) FROM trigger WHERE triggerer_id IS NOT NULL")
-TRIGGERFLOW = Served("triggerflow", "tf-consume",
-                     "SELECT count(*) FROM triggerflow.trigger_state WHERE owner_id IS NOT NULL")
-
-
-def serve_with_airflow_triggerer(stack: AirflowStack) -> Served:
-    """The baseline: Airflow's own triggerer on the bench queue."""
-    stack.start_triggerer([QUEUE])
-    return AIRFLOW_TRIGGERER
-
-
-def serve_with_triggerflow(stack: AirflowStack, amqp_url: str) -> Served:
-    """``triggerflow airflow setup``, then ``writer --airflow`` and ``consume --airflow --queue
-    team-bench`` on the stack's database (with ``stack.env``: Airflow's Fernet key), as a
-    deployment runs them; returns once Airflow reports the triggerer healthy."""
-    import os
-
-    from triggerflow.settings import Settings
-
-    # No hold after the deferral (airflow_resume_delay): no scheduler runs here, so there is no
-    # worker exit to wait for, and Airflow's triggerer, the other side, holds nothing either.
-    settings = Settings(database_url=stack.database_url, amqp_url=amqp_url,
-                        namespace=f"tfbenchaf{os.getpid()}",
-                        allowed_modules=["airflow.providers.standard.triggers"],
-                        airflow_resume_delay=0.0)
-    env = {**stack.env, **settings.as_env(), "PYTHONUNBUFFERED": "1"}
-    tf = [sys.executable, "-m", "triggerflow"]
-    for argv in ([*tf, "airflow", "setup", "--database-url", stack.database_url],
-                 [*tf, "topology", "apply", "--queue", QUEUE]):
-        done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120,
-                              check=False)
-        if done.returncode != 0:
-            raise RuntimeError(f"{' '.join(argv[2:4])} failed:\n{done.stderr[-4000:]}")
-    # Each process as its own database role: statements per process (airflow_waiting).
-    urls = roles(stack.database_url)
-    stack.spawn("tf-writer", [*tf, "writer", "--airflow"],
-                {**env, "TRIGGERFLOW_DATABASE_URL": urls["tf-writer"]})
-    stack.spawn(TRIGGERFLOW.process, [*tf, "consume", "--airflow", "--queue", QUEUE],
-                {**env, "TRIGGERFLOW_DATABASE_URL": urls[TRIGGERFLOW.process]})
-    stack.wait_healthy(["triggerer"], 60)  # the writer's TriggererJob heartbeat
-    return TRIGGERFLOW
 
 
 def measure(server_url: str, n: int, limit: float, log: Any = print,
@@ -282,7 +235,8 @@ def run_airflow_bench(settings: Settings, quick: bool) -> int:
     from rich.console import Console
 
     from bench.airflow_native import native_bursts
-    from bench.airflow_report import table_airflow, table_targets
+    from bench.airflow_report import table_airflow, table_runtime, table_targets
+    from bench.airflow_runtime import measure_runtime
 
     console = Console(log_path=False, width=None if sys.stdout.isatty() else 150)
     server_url = urlunsplit(urlsplit(settings.database_dsn())._replace(path="", query=""))
@@ -300,12 +254,14 @@ def run_airflow_bench(settings: Settings, quick: bool) -> int:
                        serve=lambda stack: serve_with_triggerflow(stack, amqp_url),
                        repeats=sizes.repeats, window=sizes.window if n == sizes.waiting else None)
         rows += [theirs, ours]
+    runtime = measure_runtime(server_url, amqp_url, console.log)
     console.print(table_airflow(rows, native))
     console.print(table_targets(rows, native, sizes.waiting))
+    console.print(table_runtime(runtime))
     path = out / f"bench-airflow-{stamp}.json"
     path.write_text(json.dumps({"command": "triggerflow bench airflow" + (" --quick" if quick else ""),
                                 "sizes": sizes.__dict__, "queue": QUEUE, "runs": rows,
-                                "native": native}, indent=1, default=str))
+                                "native": native, "runtime": runtime}, indent=1, default=str))
     console.print(f"raw results: {path}")
     ours_ok = all(r["applied"] == r["n"] for r in rows if r["served_by"] == TRIGGERFLOW.name)
     return 0 if ours_ok else 1

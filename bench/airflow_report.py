@@ -100,3 +100,17 @@ def table_targets(rows: list[dict[str, Any]], native: dict[int, dict[str, Any]],
                  "to all held (settled), / N. Statements: pg_stat_statements calls of each "
                  "process's own database role over the window, after ANALYZE, nothing firing.")
     return t
+
+
+def table_runtime(rows: list[dict[str, Any]]) -> Any:
+    """The trigger runtime's request latency as trigger code sees it (``airflow_runtime``)."""
+    from rich.table import Table
+
+    t = Table(title="The trigger runtime's requests, timed by the trigger (tf_runtime_latency: "
+              "10 LatencyTriggers at once, 100 of each request each), on one Airflow stack")
+    for col in ("served by", "request", "n", "p50", "p99", "max"):
+        t.add_column(col, justify="left" if col in ("served by", "request") else "right")
+    for r in rows:
+        cells = [f"{r[k]:.2f} ms" for k in ("p50", "p99", "max")] if r["n"] else ["-"] * 3
+        t.add_row(r["served_by"], r["request"], f"{r['n']:,}", *cells)
+    return t

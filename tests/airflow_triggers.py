@@ -110,7 +110,7 @@ class LatencyTrigger(BaseTrigger):
     """Times ``requests`` reads of a connection (``BaseHook.get_connection``, sync from the
     coroutine) and of a variable (``Variable.get`` through ``sync_to_async``), one after the
     other, and fires with the milliseconds each took: the runtime's latency as trigger code
-    sees it, under whichever triggerer runs it (tests/airflow_runtime_latency.py)."""
+    sees it, under whichever triggerer runs it (bench/airflow_runtime.py)."""
 
     def __init__(self, conn_id: str, variable: str, requests: int) -> None:
         super().__init__()

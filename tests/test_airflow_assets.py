@@ -1,13 +1,14 @@
 """Trigger rows with no task on a real Airflow 3.3.2 stack (scheduler, API server,
-dag-processor, LocalExecutor): a DAG scheduled by an asset whose watcher is
-``FileDeleteTrigger`` (``tests/airflow_asset_dags/triggerflow_assets.py``), and a deadline
-alert whose ``AsyncCallback`` runs on the triggerer (``triggerflow_deadline.py``).
+dag-processor, LocalExecutor): DAGs scheduled by assets whose watchers are
+``FileDeleteTrigger`` and ``DirectoryFileDeleteTrigger``
+(``tests/airflow_asset_dags/triggerflow_assets.py``), and a deadline alert whose
+``AsyncCallback`` runs on the triggerer (``triggerflow_deadline.py``).
 
 Each test has two phases on one stack, Airflow's own triggerer first as the oracle:
 1. ``airflow triggerer`` (no ``--queues``: the only triggerer that takes queue-less rows);
 2. no Airflow triggerer at all: ``triggerflow writer --airflow`` and ``consume --airflow
    --queue default`` with ``--default-queue default``.
-In each phase the flag file is created twice, the second time after the first DAG run
+In each phase each watched file is created twice, the second time after the first DAG run
 ended: the watcher must fire, stay (be started again after its ``run()`` ended, as Airflow
 does) and fire again. Compared between the phases: the asset events (``extra``, source
 columns), the DAG runs they created (``run_type``, ``triggered_by``, state, the asset event
@@ -39,6 +40,8 @@ pytestmark = [pytest.mark.timeout(1500), pytest.mark.airflow_stack]
 DAGS = ROOT / "tests" / "airflow_asset_dags"
 DAG_ID = "tf_asset_scheduled"
 ASSET = "tf_asset_flag"
+INBOX_DAG_ID = "tf_asset_inbox_scheduled"
+INBOX_ASSET = "tf_asset_inbox"
 FIRES = 2
 WAIT = 300.0  # seconds for one fire to become an ended DAG run, under load
 
@@ -67,8 +70,10 @@ def flag() -> Iterator[Path]:
 
 @pytest.fixture(scope="module")
 def asset_stack(pg_server: str, airflow_template: str, flag: Path) -> Iterator[AirflowStack]:
+    inbox = flag.with_name("inbox")
+    inbox.mkdir()
     stack = AirflowStack(pg_server, DAGS, extra_env={
-        "PYTHONPATH": str(ROOT), "TF_ASSET_FLAG": str(flag),
+        "PYTHONPATH": str(ROOT), "TF_ASSET_FLAG": str(flag), "TF_ASSET_INBOX": str(inbox),
         "TF_DEADLINE_MARKER": str(flag.with_name("deadline-marker"))})
     with stack_database(stack, airflow_template):
         stack.start()
@@ -99,23 +104,24 @@ def _wait(stack: AirflowStack, what: str, check: Any, timeout: float = WAIT) -> 
     raise AssertionError(f"{what} not within {timeout:.0f}s\n{stack.tail_logs()}")
 
 
-def fire_twice(stack: AirflowStack, flag: Path) -> dict[str, Any]:
+def fire_twice(stack: AirflowStack, flag: Path, asset: str = ASSET,
+               dag_id: str = DAG_ID) -> dict[str, Any]:
     """Create the flag ``FIRES`` times, each after the previous DAG run ended; returns the
     asset events and DAG runs that appeared, in the shape both phases are compared in."""
-    events_before = {r[0] for r in _query(stack, EVENTS, ASSET)}
-    runs_before = {r[0] for r in _query(stack, RUNS, DAG_ID)}
+    events_before = {r[0] for r in _query(stack, EVENTS, asset)}
+    runs_before = {r[0] for r in _query(stack, RUNS, dag_id)}
     seconds = []
     for n in range(1, FIRES + 1):
         flag.write_text(f"fire {n}\n")
         t0 = time.monotonic()
         _wait(stack, f"fire {n}: the watcher deleting the flag", lambda: not flag.exists())
         _wait(stack, f"fire {n}: DAG run {n} ended", lambda n=n: len(
-            [r for r in _query(stack, RUNS, DAG_ID)
+            [r for r in _query(stack, RUNS, dag_id)
              if r[0] not in runs_before and r[3] in ("success", "failed")]) >= n)
         seconds.append(time.monotonic() - t0)
     time.sleep(3.0)  # anything extra (a duplicate event, a third run) shows up by now
-    events = [r for r in _query(stack, EVENTS, ASSET) if r[0] not in events_before]
-    runs = [r for r in _query(stack, RUNS, DAG_ID) if r[0] not in runs_before]
+    events = [r for r in _query(stack, EVENTS, asset) if r[0] not in events_before]
+    runs = [r for r in _query(stack, RUNS, dag_id) if r[0] not in runs_before]
     index = {row[0]: i for i, row in enumerate(events)}  # event ids differ between phases
     return {
         "events": [row[1:] for row in events],
@@ -159,22 +165,30 @@ def oracle_then_triggerflow(stack: AirflowStack, amqp_server: str,
 def test_asset_watcher_schedules_dag_runs_as_under_airflow_triggerer(
         asset_stack: AirflowStack, flag: Path, amqp_server: str) -> None:
     stack = asset_stack
-    stack.wait_for_dags([DAG_ID])
-    rows = _wait(stack, "the watcher's trigger row", lambda: _query(stack, WATCHER_ROWS), 120)
-    assert [queue for _, queue in rows] == [None], rows  # a watcher's row has no queue
+    stack.wait_for_dags([DAG_ID, INBOX_DAG_ID])
+    rows = _wait(stack, "the watchers' trigger rows",
+                 lambda: [r for r in [_query(stack, WATCHER_ROWS)] if len(r) == 2], 120)[0]
+    assert [queue for _, queue in rows] == [None, None], rows  # a watcher's row has no queue
+    go = flag.with_name("inbox") / "go"
 
-    # The same trigger row, first under the oracle, then under triggerflow alone.
-    oracle, ours = oracle_then_triggerflow(stack, amqp_server, lambda: fire_twice(stack, flag))
+    def case() -> dict[str, Any]:
+        return {"file": fire_twice(stack, flag),
+                "directory": fire_twice(stack, go, INBOX_ASSET, INBOX_DAG_ID)}
+
+    # The same trigger rows, first under the oracle, then under triggerflow alone.
+    oracle, ours = oracle_then_triggerflow(stack, amqp_server, case)
 
     where = f"\noracle {oracle}\ntriggerflow {ours}"
-    expected_event = ({"from_trigger": True, "payload": True}, None, None, None, -1)
-    assert oracle["events"] == [expected_event] * FIRES, where
-    assert ours["events"] == oracle["events"], where
-    assert oracle["runs"] == [("asset_triggered", "ASSET", "success", [i], 1)
-                              for i in range(FIRES)], where
-    assert ours["runs"] == oracle["runs"], where
-    print(f"\nseconds from flag to ended DAG run: airflow triggerer {oracle['seconds']}, "
-          f"triggerflow {ours['seconds']}")
+    payloads = {"file": True, "directory": {"filepath": str(go)}}
+    for watcher, payload in payloads.items():
+        expected_event = ({"from_trigger": True, "payload": payload}, None, None, None, -1)
+        assert oracle[watcher]["events"] == [expected_event] * FIRES, where
+        assert ours[watcher]["events"] == oracle[watcher]["events"], where
+        assert oracle[watcher]["runs"] == [("asset_triggered", "ASSET", "success", [i], 1)
+                                           for i in range(FIRES)], where
+        assert ours[watcher]["runs"] == oracle[watcher]["runs"], where
+        print(f"\n{watcher} watcher, seconds from the file to an ended DAG run: airflow "
+              f"triggerer {oracle[watcher]['seconds']}, triggerflow {ours[watcher]['seconds']}")
 
 
 CALLBACKS = """

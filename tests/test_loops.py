@@ -454,13 +454,65 @@ async def test_consumer_over_its_fair_share_hands_the_excess_back(mem: InMemory)
         await client.defer_many([_deferral(i) for i in range(100)])
         await until(lambda: len(consumer.runner) == 100)
         # A peer joined with nothing: two live consumers, 100 running in all.
+        n = excess(100, 2, 100, s.reclaim_rate)
+        assert n > 40  # to 110% of the share
+        resent = list(consumer.runner.running)[-n:]
         consumer._maybe_rebalance(live_peers=2, peers_running=100)
         await until(lambda: bool(transport.published_wakeups))
-        resent = [i for q, part in transport.published_wakeups if q == QUEUE for i in part]
-        assert len(resent) == excess(100, 2, 100, s.reclaim_rate) > 40  # to 110% of the share
+        assert set(transport.published_wakeups[0][1]) <= set(resent)
+        await until(lambda: len(consumer.runner) == 100 - n)
         # Released and re-sent through the queue (here this same consumer, the only one,
         # claims them again: one attempt later).
         await until(lambda: all(mem.store.triggers[i].attempt == 2 for i in resent))
+
+
+async def test_a_shed_waits_for_the_peers_to_count_it_before_another(mem: InMemory) -> None:
+    s = fast_settings(renew_interval=0.5)  # the next decision waits 3 renewals: 1.5 s
+    consumer = Consumer(s, mem.store, mem.transport())
+    sheds: list[int] = []
+    shed = consumer._shed
+
+    async def counting(ids: list[int]) -> None:
+        sheds.append(len(ids))
+        await shed(ids)
+
+    consumer._shed = counting  # type: ignore[method-assign]
+    async with running(consumer), mem.client(s) as client:
+        await client.defer_many([_deferral(i) for i in range(100)])
+        await until(lambda: len(consumer.runner) == 100)
+        consumer._maybe_rebalance(live_peers=2, peers_running=100)
+        await until(lambda: len(consumer.runner) == 56)
+        # The peer claimed the 44 but has not renewed: its row still says 0, so the total
+        # reads 56 and the share 28. Taken at its word this sheds 25 more.
+        assert excess(56, 2, 56, s.reclaim_rate) == 25
+        consumer._maybe_rebalance(live_peers=2, peers_running=56)
+        await asyncio.sleep(0.1)
+        assert sheds == [44]
+        # Once the peers have renewed, a real excess is shed again.
+        await asyncio.sleep(1.5)
+        consumer._maybe_rebalance(live_peers=2, peers_running=56)
+        await until(lambda: len(sheds) == 2)
+
+
+async def test_wakeups_a_shed_handed_back_go_on_to_peers_for_a_while(mem: InMemory) -> None:
+    s = fast_settings(renew_interval=0.5, unclaimed_grace=30.0)
+    transport = mem.transport()
+    consumer = Consumer(s, mem.store, transport)
+    async with running(consumer), mem.client(s) as client:
+        await client.defer_many([_deferral(i) for i in range(100)])
+        await until(lambda: len(consumer.runner) == 100)
+        consumer._maybe_rebalance(live_peers=2, peers_running=100)
+        await until(lambda: bool(transport.published_wakeups))
+        resent = [i for q, part in transport.published_wakeups if q == QUEUE for i in part]
+        # Delivered to this same consumer (the only one here), they are not claimed back
+        # while the shed settles: passed on again, unclaimed.
+        await asyncio.sleep(0.5)
+        assert len(consumer.runner) == 56
+        assert all(mem.store.triggers[i].attempt == 1 for i in resent)
+        assert len(transport.published_wakeups) > 1
+        # After it, with no peer taking them, they are claimed here.
+        await until(lambda: all(mem.store.triggers[i].attempt == 2 for i in resent))
+        assert len(consumer.runner) == 100
 
 
 def test_rebalance_sheds_only_real_excess() -> None:

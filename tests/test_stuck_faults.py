@@ -449,10 +449,10 @@ async def test_sigkill_failover_of_2000_timers_with_default_settings(
               f"{statistics.median(late):.2f} max {late[-1]:.2f}")
     for r in runs:
         assert r["resumed"] == r["n"]  # every task resumed by its timer, none lost or failed
-        # The victim held a large share. Not "most": once the peer joins, rebalancing sheds
-        # to 110 % of the fair share (1,100), and it can shed twice while the peer's count
-        # lags its renewal (900 in one CI run; docs/architecture.md).
-        assert r["held"] >= r["n"] / 4
+        # The victim held most: once the peer joins, rebalancing sheds to 110 % of the fair
+        # share (1,100), once (a second shed read before the peer's renewal counted the
+        # first left 900 in one CI run; Consumer._maybe_rebalance waits for it now).
+        assert r["held"] >= r["n"] / 2
         assert r["worst_late"] <= FAILOVER_PROMISE, r
     writer_applied = await db.fetchval(
         "SELECT count(*) FROM task_instance WHERE event_applied_at IS NOT NULL")

@@ -6,6 +6,10 @@ asset event and one more DAG run. The trigger row has no queue (asset watchers n
 ``airflow triggerer`` without ``--queues`` serves it, or triggerflow with ``--default-queue``.
 tests/test_airflow_assets.py runs it both ways. The file's path comes from the environment
 the stack's processes share (``TF_ASSET_FLAG``).
+
+``DirectoryFileDeleteTrigger`` does the same for a file name in a directory
+(``TF_ASSET_INBOX``). Airflow's triggerer runs it on a shared directory scan
+(``shared_stream_key``); triggerflow runs its ``run()``, the same scan for one trigger.
 """
 
 from __future__ import annotations
@@ -13,10 +17,11 @@ from __future__ import annotations
 import os
 from datetime import datetime, timedelta
 
-from airflow.providers.standard.triggers.file import FileDeleteTrigger
+from airflow.providers.standard.triggers.file import DirectoryFileDeleteTrigger, FileDeleteTrigger
 from airflow.sdk import DAG, Asset, AssetWatcher, task
 
 FLAG = os.environ.get("TF_ASSET_FLAG", "/tmp/tf-asset-flag")
+INBOX = os.environ.get("TF_ASSET_INBOX", "/tmp/tf-asset-inbox")
 
 flag_asset = Asset("tf_asset_flag", watchers=[
     AssetWatcher(name="tf_flag_watcher", trigger=FileDeleteTrigger(filepath=FLAG,
@@ -35,3 +40,19 @@ with DAG("tf_asset_scheduled", schedule=[flag_asset], start_date=datetime(2026, 
         return sum(len(v) for v in events.values())  # type: ignore[attr-defined]
 
     consume_event()
+
+
+inbox_asset = Asset("tf_asset_inbox", watchers=[
+    AssetWatcher(name="tf_inbox_watcher", trigger=DirectoryFileDeleteTrigger(
+        directory=INBOX, filename="go", poke_interval=0.5)),
+])
+
+with DAG("tf_asset_inbox_scheduled", schedule=[inbox_asset], start_date=datetime(2026, 1, 1),
+         catchup=False, default_args={"retries": 2, "retry_delay": timedelta(seconds=1)}):
+
+    @task
+    def consume_inbox_event(**context: object) -> int:
+        events = context["triggering_asset_events"]
+        return sum(len(v) for v in events.values())  # type: ignore[attr-defined]
+
+    consume_inbox_event()

@@ -22,7 +22,8 @@ task is deferred and its trigger has polled, then 200: ``HttpSensorTrigger`` rea
 connection through the runtime and polls.
 
 ``tf_runtime_latency``: ``LATENCY_TRIGGERS`` triggers at once, each timing ``LATENCY_REQUESTS``
-connection and variable reads (tests/airflow_runtime_latency.py reads their XComs).
+connection and variable reads (``triggerflow bench airflow`` reads their XComs:
+bench/airflow_runtime.py).
 """
 
 from __future__ import annotations

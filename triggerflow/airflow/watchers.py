@@ -15,6 +15,14 @@ but differently on three points, each matched here:
 * it stops when the row goes: the DAG no longer declares the watcher (dag-processor), or the
   callback reached a terminal state, and ``clean_unused`` deletes the row.
 
+Watchers that share I/O (Airflow 3.3's ``BaseEventTrigger.shared_stream_key``, e.g.
+``DirectoryFileDeleteTrigger``s on one directory) share it here too: one
+``open_shared_stream`` poll per key and consumer, driven by Airflow's own
+``SharedStreamManager``, each trigger reading it through its ``filter_shared_stream``. A
+stream in ack mode (the trigger overrides ``create_shared_stream_producer``) needs each
+event's persistence confirmed, which happens in the writer, another process: those triggers
+run their own ``run()``, as Airflow does for a trigger that opts out.
+
 ``WatcherCoroutine`` is the consumer's side (``keeps_running``: the runner emits each event
 and steps on); ``nontask`` holds the SQL the store uses to claim and keep these rows; the
 writer applies their events with Airflow's own ``Trigger.submit_event``
@@ -30,7 +38,7 @@ import asyncio
 import copy
 import logging
 import os
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Hashable
 from typing import Any
 
 import greenback
@@ -49,6 +57,49 @@ RESTART_DELAY = 1.0
 # A callback row's trigger (``TriggererCallback.queue``): its last event is terminal, after
 # which Airflow detaches and deletes the row, so it is never started again.
 CALLBACK_TRIGGER = "airflow.triggers.callback.CallbackTrigger"
+
+
+_streams: Any = None  # this consumer's SharedStreamManager, made on first use (its loop)
+
+
+def shared_streams() -> Any:
+    """The process's ``SharedStreamManager``, configured from ``[triggerer]`` as Airflow's
+    triggerer configures its own."""
+    global _streams
+    if _streams is None:
+        from airflow.configuration import conf
+        from airflow.triggers.shared_stream import SharedStreamManager
+
+        _streams = SharedStreamManager(
+            max_subscriber_queue=conf.getint("triggerer", "shared_stream_subscriber_queue_size"),
+            ack_timeout=conf.getfloat("triggerer", "shared_stream_ack_timeout"),
+            cohort_grace_period=conf.getfloat("triggerer", "shared_stream_cohort_grace_period"))
+    return _streams
+
+
+def shared_key(trigger: Any) -> Hashable | None:
+    """The shared stream ``trigger`` reads, or None: it runs its own ``run()``."""
+    from airflow.triggers.base import BaseEventTrigger
+
+    if not isinstance(trigger, BaseEventTrigger) or _ack_mode(type(trigger)):
+        return None
+    try:
+        return trigger.shared_stream_key()
+    except Exception:  # Airflow: logged, and the trigger runs standalone
+        log.exception("shared_stream_key() of %s raised; running it on its own",
+                      type(trigger).__qualname__)
+        return None
+
+
+def _ack_mode(cls: type) -> bool:
+    from airflow.triggers.base import BaseEventTrigger
+
+    for klass in cls.__mro__:
+        if klass is BaseEventTrigger:
+            return False
+        if "create_shared_stream_producer" in klass.__dict__:
+            return True
+    return False
 
 
 class WatcherEvent(TriggerEvent):
@@ -85,7 +136,12 @@ class WatcherCoroutine(BaseTrigger):
             self.current = trigger = self.build()
             trigger.trigger_id = self.trigger_id
             events = 0
-            agen = trigger.run()
+            key = shared_key(trigger)
+            if key is None:
+                agen = trigger.run()
+            else:
+                agen = trigger.filter_shared_stream(shared_streams().subscribe(
+                    trigger_id=self.trigger_id, trigger=trigger, key=key))
             try:
                 async for event in agen:
                     events += 1
@@ -99,6 +155,11 @@ class WatcherCoroutine(BaseTrigger):
                               type(trigger).__qualname__, self.trigger_id)
             finally:
                 await agen.aclose()
+                if key is not None:
+                    try:
+                        await shared_streams().unsubscribe(self.trigger_id, key)
+                    except Exception:
+                        log.exception("leaving the shared stream %r failed", key)
                 try:
                     await trigger.cleanup()
                 except Exception:

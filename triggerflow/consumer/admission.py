@@ -10,6 +10,10 @@ until they run or are passed on, so the room left is never promised twice.
 and shutdown takes it for good, so nothing commits a claim after shutdown's release (it
 would strand those triggers on our dead row). At capacity, or while our clock is off the
 database's, the subscriptions are cancelled; they resume with 10% of the room to spare.
+
+After a rebalancing shed, broker deliveries beyond what we kept go on to peers for a short
+while (``keep_at_most``): the wake-ups we handed back land on us as often as on the peer we
+shed them to, and claimed here again they would undo the shed.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections import defaultdict
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
@@ -68,6 +73,8 @@ class Admission:
         self.lock = asyncio.Lock()
         self.clock_ok: bool | None = None  # None: not compared with the database's yet
         self.stopping = False  # shutdown began: nothing more is let in
+        self.ceiling: int | None = None  # after a shed: deliveries beyond it go on to peers
+        self.ceiling_until = 0.0  # ... until then (monotonic)
 
     # -- room --------------------------------------------------------------------------------
 
@@ -86,6 +93,26 @@ class Admission:
             return 0
         counted = self.held if counting_pending else len(self.runner) + self.adopting
         return max(0, self.capacity - counted)
+
+    def keep_at_most(self, ceiling: int, seconds: float) -> None:
+        """For ``seconds``, claim broker deliveries only up to ``ceiling`` triggers held; the
+        rest go on to peers. Take-overs and probation are not held to it (a peer dying
+        meanwhile is taken over at once)."""
+        self.ceiling, self.ceiling_until = ceiling, time.monotonic() + seconds
+
+    def lift_ceiling(self) -> None:
+        self.ceiling = None
+
+    def delivery_room(self) -> int:
+        """Room for a claim batch of broker deliveries: ``room`` without the batch's own
+        pending ids, within the ceiling a shed set while it lasts."""
+        room = self.room(counting_pending=False)
+        if self.ceiling is not None:
+            if time.monotonic() >= self.ceiling_until:
+                self.ceiling = None
+            else:
+                room = min(room, max(0, self.ceiling - len(self.runner) - self.adopting))
+        return room
 
     def keeps(self, me: int) -> bool:
         """Whether what a claim or take-over under ``me`` took may run here: still our lease
@@ -127,7 +154,7 @@ class Admission:
     def fit(self, batch: list[Wakeup]) -> tuple[list[int], dict[str, list[int]]]:
         """Split delivered ids into what fits our free room and the overflow per queue."""
         # skewed: all of it goes on to peers (deliveries in flight as we unsubscribed)
-        room = self.room(counting_pending=False)
+        room = self.delivery_room()
         ids: list[int] = []
         overflow: dict[str, list[int]] = defaultdict(list)
         for msg_ids, message in batch:
