@@ -75,7 +75,8 @@ def test_bench_airflow_quick_serves_identical_rows_both_ways(
         tmp_path: Path, pg_server: str, amqp_server: str) -> None:
     """``triggerflow bench airflow --quick``: native mode's burst of 100, then 100 seeded rows
     served by Airflow's triggerer, then the same rows on a fresh stack by triggerflow (and
-    what 100 waiting cost it); all applied, the tables printed."""
+    what 100 waiting cost it), then the runtime's request latency under both; all applied,
+    the tables printed."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRIGGERFLOW_")}
     env.update({"TRIGGERFLOW_DATABASE_URL": f"{pg_server}/unused", "TRIGGERFLOW_AMQP_URL": amqp_server,
                 "COLUMNS": "200"})
@@ -97,3 +98,9 @@ def test_bench_airflow_quick_serves_identical_rows_both_ways(
     waited = ours["waiting"]  # statements counted under each process's own role
     assert waited["n"] == QUICK_N and set(waited["statements_per_s"]) == {"tf-writer", "tf-consume"}
     assert all(rate > 0 for rate in waited["statements_per_s"].values()), waited  # renewals
+    # The runtime table: every LatencyTrigger's requests timed under both servers.
+    runtime = {(r["served_by"], r["request"]): r for r in raw["runtime"]}
+    for server in ("airflow triggerer", "triggerflow"):
+        reads = runtime[(server, "GetConnection (sync)")]
+        assert reads["n"] == 990 and 0 < reads["p50"] <= reads["p99"] <= reads["max"], reads
+        assert runtime[(server, "GetVariable (sync_to_async)")]["n"] == 1000

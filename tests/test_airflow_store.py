@@ -359,6 +359,61 @@ async def test_apply_plan_survives_statistics_of_emptied_trigger_tables(served: 
         await store.close()
 
 
+def _rows_read(plan: dict[str, Any]) -> int:
+    """Rows every node of an EXPLAIN ANALYZE plan produced or threw away, over all its loops:
+    a per-row lookup reads about one per event and node, a rescan of the batch or of a table
+    per event reads thousands."""
+    own = (plan.get("Actual Rows", 0) + plan.get("Rows Removed by Filter", 0)
+           + plan.get("Rows Removed by Join Filter", 0)) * plan.get("Actual Loops", 1)
+    return int(own) + sum(_rows_read(p) for p in plan.get("Plans", []))
+
+
+async def _explained(conn: asyncpg.Connection, statement: str, *args: Any) -> dict[str, Any]:
+    """``statement``'s plan as it ran (with its "Execution Time"), its writes rolled back."""
+    rollback = conn.transaction()
+    await rollback.start()
+    try:
+        plan: dict[str, Any] = json.loads(await conn.fetchval(
+            "EXPLAIN (ANALYZE, FORMAT JSON) " + statement, *args))[0]
+    finally:
+        await rollback.rollback()
+    return plan
+
+
+async def test_claim_and_held_plans_survive_statistics_of_emptied_trigger_tables(
+        served: str) -> None:
+    """As APPLY's above: CLAIM (a consumer's every claim) and HELD_ELSEWHERE (the writer's
+    lock pass) right after ANALYZE recorded the trigger tables empty, with a new burst in
+    them. Each delivered id, and each event, finds its rows by its own index lookups."""
+    from triggerflow.airflow.statements.claims import CLAIM
+    from triggerflow.airflow.statements.writer import HELD_ELSEWHERE
+
+    n = 1000
+    store = await AirflowStore.connect(served)
+    try:
+        me = await store.register(ProcessKind.CONSUMER, "h", 1, ["team-a"], 2 * n, "t", 30)
+        first = await deferred_burst(served, n)
+        await store.claim(me, first, ["team-a"])
+        assert len(await store.apply_events([resume(i, 1, "team-a") for i in first])) == n
+        await store.unused.flush()
+        conn = await asyncpg.connect(served)
+        try:
+            await conn.execute('ANALYZE "trigger", triggerflow.trigger_state')
+            second = await deferred_burst(served, n, first_index=n)
+            claim = await _explained(conn, CLAIM, me, second, ["team-a"], None)
+            assert len((await store.claim(me, second, ["team-a"])).claimed) == n
+            held = await _explained(conn, HELD_ELSEWHERE, second, [1] * n, ["team-a"] * n, None)
+        finally:
+            await conn.close()
+        print(f"\nrows read for {n}: CLAIM {_rows_read(claim['Plan'])} in "
+              f"{claim['Execution Time']:.1f} ms, HELD_ELSEWHERE {_rows_read(held['Plan'])} in "
+              f"{held['Execution Time']:.1f} ms")
+        assert _rows_read(claim["Plan"]) < 30 * n
+        assert _rows_read(held["Plan"]) < 30 * n
+    finally:
+        await store.close()
+
+
 async def test_listener_reconnects_and_the_backstop_finds_what_it_missed(served: str) -> None:
     got: asyncio.Queue[tuple[str | None, list[int]]] = asyncio.Queue()
     connections = asyncio.Queue[None]()

@@ -38,18 +38,27 @@ _SPEC = """
 # them. The upsert takes the bookkeeping row's lock: a concurrent claim of the same id waits,
 # then finds a live owner and claims nothing. Asset-watcher and callback rows (no task; no
 # queue, so only with a default queue) are claimed too (nontask.LIVE).
+# Each delivered id finds its rows by its own index lookups: the LATERAL subquery, kept one
+# by OFFSET 0 (as events.APPLY's by its FOR UPDATE). As plain joins, statistics taken right
+# after a burst's clean-up had emptied trigger and trigger_state let the planner read those
+# tables whole for every claim (tests/test_airflow_store.py counts the rows a claim reads).
 CLAIM = f"""
-WITH candidate AS (
-    SELECT t.id, coalesce(t.queue, $4) AS queue, coalesce(s.failures, 0) AS failures,
-           coalesce($1 = ANY(s.rejected_by), false) AS refused, s.owner_id IS NULL AS unowned
-    FROM "trigger" t
-    LEFT JOIN {SCHEMA}.trigger_state s ON s.trigger_id = t.id
-    WHERE t.id = ANY($2::int[]) AND coalesce(t.queue, $4) = ANY($3::text[])
-      AND s.quarantined_at IS NULL
-      -- held by a live owner: not mine, not a suspect waiting for probation (as native)
-      AND (s.owner_id IS NULL OR NOT EXISTS (
-            SELECT 1 FROM {SCHEMA}.consumer o WHERE o.id = s.owner_id AND o.expires_at > now()))
-      AND {LIVE}
+WITH candidate AS MATERIALIZED (
+    SELECT c.* FROM (SELECT DISTINCT unnest($2::int[]) AS id) AS want CROSS JOIN LATERAL (
+        SELECT t.id, coalesce(t.queue, $4) AS queue, coalesce(s.failures, 0) AS failures,
+               coalesce($1 = ANY(s.rejected_by), false) AS refused,
+               s.owner_id IS NULL AS unowned
+        FROM "trigger" t
+        LEFT JOIN {SCHEMA}.trigger_state s ON s.trigger_id = t.id
+        WHERE t.id = want.id AND coalesce(t.queue, $4) = ANY($3::text[])
+          AND s.quarantined_at IS NULL
+          -- held by a live owner: not mine, not a suspect waiting for probation (as native)
+          AND (s.owner_id IS NULL OR NOT EXISTS (
+                SELECT 1 FROM {SCHEMA}.consumer o
+                WHERE o.id = s.owner_id AND o.expires_at > now()))
+          AND {LIVE}
+        OFFSET 0
+    ) AS c
 ), claimed AS (
     INSERT INTO {SCHEMA}.trigger_state AS s (trigger_id, owner_id, attempt, claimed_at)
     SELECT id, $1, 1, now() FROM candidate WHERE failures < {SUSPECT_FAILURES} AND NOT refused ORDER BY id

@@ -12,13 +12,21 @@ HELD_ELSEWHERE = (
 WITH ev AS (
     SELECT * FROM unnest($1::int[], $2::int[], $3::text[]) AS e(trigger_id, attempt, queue)
 ), matching AS MATERIALIZED (
-    SELECT s.trigger_id AS id FROM ev
-    JOIN {SCHEMA}.trigger_state s ON s.trigger_id = ev.trigger_id AND s.attempt = ev.attempt
-    JOIN "trigger" t ON t.id = ev.trigger_id AND coalesce(t.queue, $4) = ev.queue
+    -- each event's rows by its own index lookups (OFFSET 0 keeps the subquery one), as in
+    -- claims.CLAIM and events.APPLY: whatever the statistics of the emptied trigger tables
+    SELECT m.id FROM ev CROSS JOIN LATERAL (
+        SELECT s.trigger_id AS id FROM {SCHEMA}.trigger_state s
+        WHERE s.trigger_id = ev.trigger_id AND s.attempt = ev.attempt
+          AND (SELECT coalesce(t.queue, $4) FROM "trigger" t WHERE t.id = ev.trigger_id)
+              = ev.queue
+        OFFSET 0
+    ) AS m
 ), got_row AS MATERIALIZED (
-    SELECT s.trigger_id AS id FROM {SCHEMA}.trigger_state s
-    WHERE s.trigger_id IN (SELECT id FROM matching)
-    FOR UPDATE SKIP LOCKED
+    SELECT g.id FROM matching CROSS JOIN LATERAL (
+        SELECT s.trigger_id AS id FROM {SCHEMA}.trigger_state s
+        WHERE s.trigger_id = matching.id
+        FOR UPDATE SKIP LOCKED
+    ) AS g
 )"""
     + HELD_TAIL
 )
