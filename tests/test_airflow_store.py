@@ -322,6 +322,14 @@ def _removed_by_join_filters(plan: dict[str, Any]) -> int:
         _removed_by_join_filters(p) for p in plan.get("Plans", []))
 
 
+async def _burst_served_and_cleaned(served: str, store: AirflowStore, me: int, n: int) -> None:
+    """A burst of ``n`` claimed, applied and cleaned up: the trigger tables left empty."""
+    first = await deferred_burst(served, n)
+    await store.claim(me, first, ["team-a"])
+    assert len(await store.apply_events([resume(i, 1, "team-a") for i in first])) == n
+    await store.unused.flush()
+
+
 async def test_apply_plan_survives_statistics_of_emptied_trigger_tables(served: str) -> None:
     """After a burst's clean-up, ANALYZE (autovacuum's) records trigger and trigger_state as
     empty while their pages remain: the next burst's rows were then estimated at one, and
@@ -331,10 +339,7 @@ async def test_apply_plan_survives_statistics_of_emptied_trigger_tables(served: 
     store = await AirflowStore.connect(served)
     try:
         me = await store.register(ProcessKind.CONSUMER, "h", 1, ["team-a"], 2 * n, "t", 30)
-        first = await deferred_burst(served, n)
-        await store.claim(me, first, ["team-a"])
-        assert len(await store.apply_events([resume(i, 1, "team-a") for i in first])) == n
-        await store.unused.flush()
+        await _burst_served_and_cleaned(served, store, me, n)
         conn = await asyncpg.connect(served)
         try:
             await conn.execute('ANALYZE "trigger", triggerflow.trigger_state')
@@ -392,10 +397,7 @@ async def test_claim_and_held_plans_survive_statistics_of_emptied_trigger_tables
     store = await AirflowStore.connect(served)
     try:
         me = await store.register(ProcessKind.CONSUMER, "h", 1, ["team-a"], 2 * n, "t", 30)
-        first = await deferred_burst(served, n)
-        await store.claim(me, first, ["team-a"])
-        assert len(await store.apply_events([resume(i, 1, "team-a") for i in first])) == n
-        await store.unused.flush()
+        await _burst_served_and_cleaned(served, store, me, n)
         conn = await asyncpg.connect(served)
         try:
             await conn.execute('ANALYZE "trigger", triggerflow.trigger_state')
