@@ -322,12 +322,16 @@ def _removed_by_join_filters(plan: dict[str, Any]) -> int:
         _removed_by_join_filters(p) for p in plan.get("Plans", []))
 
 
-async def _burst_served_and_cleaned(served: str, store: AirflowStore, me: int, n: int) -> None:
-    """A burst of ``n`` claimed, applied and cleaned up: the trigger tables left empty."""
+async def _burst_after_emptied_statistics(served: str, store: AirflowStore,
+                                          conn: asyncpg.Connection, me: int, n: int) -> list[int]:
+    """A burst of ``n`` claimed, applied and cleaned up, ANALYZE recording the trigger tables
+    empty, then a new burst of ``n`` deferred: its trigger ids."""
     first = await deferred_burst(served, n)
     await store.claim(me, first, ["team-a"])
     assert len(await store.apply_events([resume(i, 1, "team-a") for i in first])) == n
     await store.unused.flush()
+    await conn.execute('ANALYZE "trigger", triggerflow.trigger_state')
+    return await deferred_burst(served, n, first_index=n)
 
 
 async def test_apply_plan_survives_statistics_of_emptied_trigger_tables(served: str) -> None:
@@ -339,11 +343,9 @@ async def test_apply_plan_survives_statistics_of_emptied_trigger_tables(served: 
     store = await AirflowStore.connect(served)
     try:
         me = await store.register(ProcessKind.CONSUMER, "h", 1, ["team-a"], 2 * n, "t", 30)
-        await _burst_served_and_cleaned(served, store, me, n)
         conn = await asyncpg.connect(served)
         try:
-            await conn.execute('ANALYZE "trigger", triggerflow.trigger_state')
-            second = await deferred_burst(served, n, first_index=n)
+            second = await _burst_after_emptied_statistics(served, store, conn, me, n)
             assert len((await store.claim(me, second, ["team-a"])).claimed) == n
             events = [resume(i, 1, "team-a") for i in second]
             rollback = conn.transaction()  # the plan, measured, then nothing kept
@@ -397,11 +399,9 @@ async def test_claim_and_held_plans_survive_statistics_of_emptied_trigger_tables
     store = await AirflowStore.connect(served)
     try:
         me = await store.register(ProcessKind.CONSUMER, "h", 1, ["team-a"], 2 * n, "t", 30)
-        await _burst_served_and_cleaned(served, store, me, n)
         conn = await asyncpg.connect(served)
         try:
-            await conn.execute('ANALYZE "trigger", triggerflow.trigger_state')
-            second = await deferred_burst(served, n, first_index=n)
+            second = await _burst_after_emptied_statistics(served, store, conn, me, n)
             claim = await _explained(conn, CLAIM, me, second, ["team-a"], None)
             assert len((await store.claim(me, second, ["team-a"])).claimed) == n
             held = await _explained(conn, HELD_ELSEWHERE, second, [1] * n, ["team-a"] * n, None)
