@@ -170,7 +170,9 @@ class AirflowStack:
         """Start a long-running process (its own process group) logging to ``<home>/<name>.log``."""
         log = self.home / f"{name}.log"
         with log.open("ab") as out:
-            popen = subprocess.Popen(argv, env={**self.env, **(env or {})}, cwd=self.home,
+            # Unbuffered: a failing test's tail shows what the process did up to then.
+            popen = subprocess.Popen(argv, env={**self.env, "PYTHONUNBUFFERED": "1", **(env or {})},
+                                     cwd=self.home,
                                      stdout=out, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, start_new_session=True)
         proc = AirflowProcess(name, popen, log)
@@ -264,7 +266,9 @@ class AirflowStack:
 
     def tail_logs(self, lines: int = 40) -> str:
         parts = []
-        for log in sorted(self.home.glob("*.log")):
+        # triggerflow's processes (``tf-*``) last: a report that shortens the middle of a
+        # failure's output keeps its end.
+        for log in sorted(self.home.glob("*.log"), key=lambda p: (p.name.startswith("tf-"), p.name)):
             text = log.read_text(errors="replace").splitlines()[-lines:]
             parts.append(f"----- {log.name} (last {len(text)} lines)\n" + "\n".join(text))
         return "\n".join(parts)

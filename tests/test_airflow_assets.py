@@ -32,6 +32,7 @@ import pytest
 from tests.airflow_stack import AirflowStack, airflow_bin
 from tests.airflow_support import airflow_template, serve_with_triggerflow, stack_database
 from tests.conftest import ROOT
+from triggerflow.airflow.schema import SCHEMA
 
 __all__ = ["airflow_template"]
 # Two phases of DAG runs per test: past the suite's 300 s per test under this machine's load.
@@ -101,7 +102,23 @@ def _wait(stack: AirflowStack, what: str, check: Any, timeout: float = WAIT) -> 
         if found:
             return found
         time.sleep(0.3)
-    raise AssertionError(f"{what} not within {timeout:.0f}s\n{stack.tail_logs()}")
+    raise AssertionError(f"{what} not within {timeout:.0f}s\n{stack.tail_logs()}\n"
+                         f"{_rows_now(stack)}")
+
+
+def _rows_now(stack: AirflowStack) -> str:
+    """The trigger, callback and triggerflow bookkeeping rows, for a failure's message."""
+    lines = ["----- rows now"]
+    for sql in ('SELECT id, classpath, queue, triggerer_id, created_date FROM "trigger"',
+                "SELECT id, state, trigger_id, created_at FROM callback",
+                f"SELECT * FROM {SCHEMA}.trigger_state",
+                "SELECT id, job_type, state, latest_heartbeat FROM job "
+                "WHERE job_type = 'TriggererJob'"):
+        try:
+            lines += [sql, *map(repr, _query(stack, sql))]
+        except Exception as exc:  # the message must not hide the failure it explains
+            lines.append(f"{sql}: {exc!r}")
+    return "\n".join(lines)
 
 
 def fire_twice(stack: AirflowStack, flag: Path, asset: str = ASSET,
