@@ -107,3 +107,20 @@ def test_a_message_over_the_cap_is_refused_unread_and_junk_is_refused_with_its_r
     assert over.reject == f"event message of {len(body)} bytes, over the {len(body) - 1}-byte cap; not parsed"
     junk = decode(cast(Delivery, Delivered(b"junk")), 100, {})
     assert junk.events == [] and (junk.reject or "").startswith("undecodable event batch: ")
+
+
+def test_a_batch_keeps_each_event_of_an_attempt_once_in_the_order_they_fired() -> None:
+    """A ``CallbackTrigger``'s "running" and "success" (one attempt) taken in one batch both
+    stay, in order: keeping one per attempt left CI's deadline callback "running" for good.
+    A message delivered twice still counts once."""
+    running = Event(7, 1, "default", "resume", '{"state": "running"}', 1.0)
+    success = Event(7, 1, "default", "resume", '{"state": "success"}', 1.1)
+    other = Event(3, 2, "default", "resume", "1", 1.0)
+    lanes = Lanes(max_held=10, max_events=100)
+    first = Received(cast(Delivery, object()), [running, success, other])
+    again = Received(cast(Delivery, object()), [running, success, other])  # redelivered
+    lanes.add(first)
+    lanes.add(again)
+    work = lanes.take(0.0, max_events=100, free=1)
+    assert work is not None
+    assert work.events == [other, running, success]

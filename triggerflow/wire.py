@@ -7,7 +7,8 @@ A reader accepts the current schema version and the one before it (rolling upgra
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from collections.abc import Iterable
+from typing import Any, Protocol, TypeVar
 
 import msgspec
 
@@ -58,6 +59,30 @@ class Event(msgspec.Struct, array_like=True):
     payload: str
     fired_at: float
     traceparent: str | None = None  # the fire span, so the writer's span joins the trace
+
+
+class Stamped(Protocol):
+    """What fences an event: the trigger and the attempt it fired in."""
+
+    @property
+    def trigger_id(self) -> int: ...
+
+    @property
+    def attempt(self) -> int: ...
+
+
+StampedT = TypeVar("StampedT", bound=Stamped)
+
+
+def first_per_attempt(events: Iterable[StampedT]) -> list[StampedT]:
+    """The first event of each (trigger, attempt), in the order given. A task's trigger ends
+    its deferral with its first event, so the set-based statements that move tasks apply one
+    per attempt; the later events of an attempt are an asset watcher's or a callback's
+    (``airflow/watchers.py``), applied one by one in order."""
+    seen: dict[tuple[int, int], StampedT] = {}
+    for ev in events:
+        seen.setdefault((ev.trigger_id, ev.attempt), ev)
+    return list(seen.values())
 
 
 class EventBatch(msgspec.Struct):

@@ -94,11 +94,15 @@ def new_work(queue: str, events: list[Event], messages: list[Received], **flags:
 
 
 def batch(events: list[Event]) -> list[Event]:
-    """One event per (trigger, attempt), sorted by trigger id: concurrent batches lock their
-    rows in id order. Done once per batch taken; split halves of a batch stay sorted."""
-    seen: dict[tuple[int, int], Event] = {}
+    """Each event once, sorted by trigger id: concurrent batches lock their rows in id order.
+    A message delivered twice brings the same events twice; distinct events of one attempt
+    (an asset watcher's or a callback's: a ``CallbackTrigger``'s "running" then "success")
+    all stay, in the order they fired (the sort is stable). Keeping only the first of an
+    attempt lost the callback's "success" whenever both came in one batch, and the callback
+    stayed "running" for good. Done once per batch taken; split halves stay sorted."""
+    seen: dict[tuple[int, int, str, float, str], Event] = {}
     for ev in events:
-        seen.setdefault((ev.trigger_id, ev.attempt), ev)
+        seen.setdefault((ev.trigger_id, ev.attempt, ev.kind, ev.fired_at, ev.payload), ev)
     return sorted(seen.values(), key=lambda e: e.trigger_id)
 
 

@@ -55,7 +55,7 @@ from triggerflow.store.postgres.pool import (
     session_settings,
     store_errors,
 )
-from triggerflow.wire import Event
+from triggerflow.wire import Event, first_per_attempt
 
 # Bad content in an event body (not JSON, wrong JSON type, nested too deep): refused.
 _REFUSED = DATA_ERRORS
@@ -239,11 +239,13 @@ class AirflowStore(SqlStore):
                         [e.attempt for e in batch], [e.queue for e in batch],
                         self.default_queue)}
                     batch = [e for e in batch if e.trigger_id not in held]
-                rows = await apply_airflow_events(conn, batch, self.default_queue, clean=False)
+                # One event per attempt moves a task; every event of a non-task row counts.
+                firsts = first_per_attempt(batch)
+                rows = await apply_airflow_events(conn, firsts, self.default_queue, clean=False)
                 moved = {r["trigger_id"] for r in rows}
                 # Resumes that moved no task: those of asset-watcher and callback rows go to
                 # Airflow's own Trigger.submit_event (the rest were stale).
-                unmoved = [e.trigger_id for e in batch if e.kind == "resume"
+                unmoved = [e.trigger_id for e in firsts if e.kind == "resume"
                            and e.trigger_id not in moved]
                 non_task = {r["id"] for r in await conn.fetch(NON_TASK_IDS, unmoved)} \
                     if unmoved else set()
@@ -255,7 +257,7 @@ class AirflowStore(SqlStore):
             # each with Trigger.submit_event: asset events, DAG runs queued, callback states
             applied += await self._with_airflow("apply_watcher_events", [
                 e for e in batch if e.kind == "resume" and e.trigger_id in non_task])
-        rest = needs_airflow(batch, moved)
+        rest = needs_airflow(firsts, moved)
         if rest:
             applied += await self._with_airflow("apply_with_airflow", rest)
         return applied, [e for e in events if e.trigger_id in held]

@@ -33,7 +33,7 @@ from triggerflow.store.interface import (
 from triggerflow.store.postgres.base import SqlStore, scope
 from triggerflow.store.postgres.pool import Record, create_pool, store_errors
 from triggerflow.store.postgres.statements import claims, deferral, lease, reaper, writer
-from triggerflow.wire import Event
+from triggerflow.wire import Event, first_per_attempt
 
 # Two writers' batches can still meet on a row; such a statement is simply run again.
 _CONFLICTS = (asyncpg.DeadlockDetectedError, asyncpg.SerializationError)
@@ -135,7 +135,7 @@ class PostgresStore(SqlStore):
         )
 
     async def apply_events(self, events: Sequence[Event]) -> list[Applied]:
-        args = self._columns(events)
+        args = self._columns(first_per_attempt(events))
         rows: list[Record] = []
         async with self._errors():
             async for attempt in AsyncRetrying(
@@ -153,7 +153,7 @@ class PostgresStore(SqlStore):
         columns = self._columns(events)
         async with self._errors(), self.pool.acquire() as conn, conn.transaction():
             held = {r["id"] for r in await conn.fetch(writer.HELD_ELSEWHERE, *columns[:3])}
-            free = [e for e in events if e.trigger_id not in held]
+            free = first_per_attempt(e for e in events if e.trigger_id not in held)
             rows = await conn.fetch(writer.APPLY_EVENTS, *self._columns(free)) if free else []
         return ([Applied(r["kind"], r["queue"], r["latency"]) for r in rows],
                 [e for e in events if e.trigger_id in held])
