@@ -17,7 +17,8 @@ Scenarios: reference, capacity, burst, held, wide, steady, dbload, periodic, def
 million, promote, nodeloss, zone (default: all). Bursts print their all-applied time as a multiple of
 ``reference``, the bare path measured in the same run (``reference.py``). ``airflow``, on
 its own, runs the Airflow-mode bench instead (``airflow.py``: a real Airflow 3.3.2 stack;
-needs the ``triggerflow[airflow]`` extra). ``--quick``
+needs the ``triggerflow[airflow]`` extra); ``airflow-million``, on its own, one consumer
+holding 1,000,000 waiting Airflow triggers (``airflow_million.py``). ``--quick``
 runs tiny sizes (a smoke test). Raw results go to ``bench-results/``; a full run also
 plots the burst latency distributions to ``docs/img/burst-latency.png``.
 
@@ -60,6 +61,10 @@ def run_bench(settings: Settings, scenarios: list[str], quick: bool, *,
         from bench.airflow import run_airflow_bench
 
         return run_airflow_bench(settings, quick)
+    if scenarios == ["airflow-million"]:  # 1,000,000 waiting Airflow triggers, one consumer
+        from bench.airflow_million import run_airflow_million
+
+        return run_airflow_million(settings, quick)
     unknown = [s for s in scenarios if s not in SCENARIOS]
     console = Console(record=True, log_path=False,
                       width=None if sys.stdout.isatty() else 150)

@@ -7,9 +7,11 @@ from __future__ import annotations
 import subprocess
 import sys
 from dataclasses import dataclass
+from typing import Any
 
 from bench.airflow_waiting import roles
 from tests.airflow_stack import AirflowStack
+from tests.airflow_support import delete_queues
 
 QUEUE = "team-bench"
 
@@ -38,12 +40,13 @@ def serve_with_airflow_triggerer(stack: AirflowStack) -> Served:
 
 def serve_with_triggerflow(stack: AirflowStack, amqp_url: str, queue: str = QUEUE,
                            allowed_modules: list[str] | None = None,
-                           scheduler: bool = False) -> Served:
+                           scheduler: bool = False, **settings_: Any) -> Served:
     """``triggerflow airflow setup``, then ``writer --airflow`` and ``consume --airflow --queue
     team-bench`` (or ``queue``) on the stack's database (with ``stack.env``: Airflow's Fernet
     key), as a deployment runs them, shipped defaults but ``allowed_modules`` (Airflow's
     standard triggers unless given); returns once Airflow reports the triggerer healthy.
-    ``scheduler``: a scheduler runs on the stack (the shipped resume delay is kept)."""
+    ``scheduler``: a scheduler runs on the stack (the shipped resume delay is kept);
+    ``settings_``: more settings for both processes (``capacity=...``)."""
     import os
 
     from triggerflow.settings import Settings
@@ -53,9 +56,12 @@ def serve_with_triggerflow(stack: AirflowStack, amqp_url: str, queue: str = QUEU
     settings = Settings(database_url=stack.database_url, amqp_url=amqp_url,
                         namespace=f"tfbenchaf{os.getpid()}",
                         allowed_modules=allowed_modules or ["airflow.providers.standard.triggers"],
-                        **({} if scheduler else {"airflow_resume_delay": 0.0}))
+                        **({} if scheduler else {"airflow_resume_delay": 0.0}), **settings_)
     env = {**stack.env, **settings.as_env(), "PYTHONUNBUFFERED": "1"}
     tf = [sys.executable, "-m", "triggerflow"]
+    # The bench's queue, left by an earlier run under another namespace (another dead-letter
+    # exchange), would be refused by `topology apply`.
+    delete_queues(amqp_url, [queue])
     for argv in ([*tf, "airflow", "setup", "--database-url", stack.database_url],
                  [*tf, "topology", "apply", "--queue", queue]):
         done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120,

@@ -193,7 +193,7 @@ async def add_deferred_task(conn: asyncpg.Connection, task_id: str, classpath: s
     return DeferredTask(task_id, int(trigger_id), map_index)
 
 
-def _delete_queues(amqp_url: str, queues: list[str]) -> None:
+def delete_queues(amqp_url: str, queues: list[str]) -> None:
     """Team queues keep their own names, so an earlier module's ``default`` outlives it on
     the suite's broker: declared again under another namespace it is refused (its
     dead-letter exchange differs), and the wake-ups it holds name another stack's triggers.
@@ -235,7 +235,7 @@ def serve_with_triggerflow(stack: AirflowStack, amqp_url: str, queues: list[str]
     tf = [sys.executable, "-m", "triggerflow"]
     subprocess.run([*tf, "airflow", "setup", "--database-url", stack.database_url],
                    env=env, check=True, timeout=120)
-    _delete_queues(amqp_url, queues)
+    delete_queues(amqp_url, queues)
     queue_flags = [flag for q in queues for flag in ("--queue", q)]
     subprocess.run([*tf, "topology", "apply", *queue_flags], env=env, check=True, timeout=120)
     stack.spawn("tf-writer", [*tf, "writer", "--airflow"], env)

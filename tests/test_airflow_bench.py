@@ -70,6 +70,19 @@ def test_seeded_rows_equal_a_real_airflow_deferral(tmp_path: Path, pg_server: st
     assert stack.leftovers() == []
 
 
+def run_bench(cwd: Path, pg_server: str, amqp_server: str, scenario: str, timeout: float) -> str:
+    """``triggerflow bench SCENARIO --quick`` on the suite's services, from ``cwd`` (its
+    bench-results/ go there); its output, once it exited 0."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRIGGERFLOW_")}
+    env.update({"TRIGGERFLOW_DATABASE_URL": f"{pg_server}/unused", "TRIGGERFLOW_AMQP_URL": amqp_server,
+                "COLUMNS": "200"})
+    proc = subprocess.run([sys.executable, "-m", "triggerflow", "bench", scenario, "--quick"],
+                          env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    return out
+
+
 @pytest.mark.timeout(540)  # two Airflow stacks (migrate, API server) and a native bench
 def test_bench_airflow_quick_serves_identical_rows_both_ways(
         tmp_path: Path, pg_server: str, amqp_server: str) -> None:
@@ -77,13 +90,7 @@ def test_bench_airflow_quick_serves_identical_rows_both_ways(
     served by Airflow's triggerer, then the same rows on a fresh stack by triggerflow (and
     what 100 waiting cost it), then the runtime's request latency under both; all applied,
     the tables printed."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TRIGGERFLOW_")}
-    env.update({"TRIGGERFLOW_DATABASE_URL": f"{pg_server}/unused", "TRIGGERFLOW_AMQP_URL": amqp_server,
-                "COLUMNS": "200"})
-    proc = subprocess.run([sys.executable, "-m", "triggerflow", "bench", "airflow", "--quick"],
-                          env=env, cwd=tmp_path, capture_output=True, text=True, timeout=540)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-4000:]
+    out = run_bench(tmp_path, pg_server, amqp_server, "airflow", timeout=540)
     assert "airflow triggerer" in out and "triggerflow" in out, out[-4000:]  # the table
     raw = json.loads(next((tmp_path / "bench-results").glob("bench-airflow-*-quick.json"))
                      .read_text())
@@ -104,3 +111,21 @@ def test_bench_airflow_quick_serves_identical_rows_both_ways(
         reads = runtime[(server, "GetConnection (sync)")]
         assert reads["n"] == 990 and 0 < reads["p50"] <= reads["p99"] <= reads["max"], reads
         assert runtime[(server, "GetVariable (sync_to_async)")]["n"] == 1000
+
+
+@pytest.mark.timeout(420)  # an Airflow stack (migrate, API server), 5,000 rows claimed
+def test_bench_airflow_million_quick_holds_every_cloned_row(
+        tmp_path: Path, pg_server: str, amqp_server: str) -> None:
+    """``triggerflow bench airflow-million --quick``: 500 rows made by Airflow's code, 4,500
+    cloned from one of them in SQL, all held by one ``consume --airflow``; the table
+    printed with the memory per waiting trigger."""
+    from bench.airflow_million import QUICK as MILLION_QUICK
+
+    out = run_bench(tmp_path, pg_server, amqp_server, "airflow-million", timeout=400)
+    assert "waiting Airflow DateTimeTriggers in one consume --airflow" in out, out[-4000:]
+    raw = json.loads(next((tmp_path / "bench-results").glob("bench-airflow-million-*-quick.json"))
+                     .read_text())
+    result = raw["result"]
+    assert result["n"] == MILLION_QUICK.n and result["template"] == MILLION_QUICK.template
+    assert result["rss_held"] > result["rss_warm"] > 0 and result["bytes_per_waiting_trigger"] > 0
+    assert set(result["statements_per_s"]) == {"tf-writer", "tf-consume"}, result

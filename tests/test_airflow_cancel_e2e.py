@@ -36,6 +36,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.airflow_conformance import TaskEnd, TaskKey, assert_conforms, ends
 from tests.airflow_stack import AirflowStack
 from tests.airflow_support import airflow_template, serve_with_triggerflow, stack_database
 from tests.conftest import ROOT
@@ -217,6 +218,7 @@ class Result:
     markers: dict[str, set[str]]
     states: dict[str, str | None]
     lags: dict[str, float]  # row change -> cleanup(), upper bound
+    ends: dict[TaskKey, TaskEnd]  # how each instance ended (the cleared one: deferred again)
 
 
 def run_cases(stack: AirflowStack, markers: Path) -> Result:
@@ -239,7 +241,7 @@ def run_cases(stack: AirflowStack, markers: Path) -> Result:
             stack,
         )
         time.sleep(2)  # an on_kill() after cleanup() would show now
-        out = Result({}, {}, {})
+        out = Result({}, {}, {}, ends(stack.database_url, poller.run_ids))
         for task, watch in poller.tasks.items():
             seen = steps(markers, task, watch.trigger)
             out.markers[task] = set(seen)
@@ -293,6 +295,7 @@ def test_task_ends_stop_triggers_as_under_airflow_triggerer(
     print(f"triggerflow: markers {ours.markers}, lags {ours.lags}")
     assert ours.markers == oracle.markers, ours
     assert ours.states == oracle.states, ours
+    assert_conforms(oracle.ends, ours.ends, f"\n{cancel_stack.tail_logs()}")
     assert all(lag <= BOUND for lag in ours.lags.values()), ours.lags
 
 

@@ -19,9 +19,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.airflow_conformance import TaskEnd, TaskKey, assert_conforms, ends
 from tests.airflow_stack import AirflowStack
 from tests.airflow_support import airflow_template, serve_with_triggerflow, stack_database
 from tests.conftest import ROOT
+from triggerflow.settings import AIRFLOW_RESUME_DELAY
 
 __all__ = ["airflow_template"]
 
@@ -65,6 +67,7 @@ class Outcome:
     trigger_queues: dict[tuple[str, str, int], str | None] = field(default_factory=dict)
     run_states: dict[str, str] = field(default_factory=dict)
     run_ids: dict[str, str] = field(default_factory=dict)  # dag_id -> this test's run
+    ends: dict[TaskKey, TaskEnd] = field(default_factory=dict)  # how each instance ended
     seconds: float = 0.0
 
 
@@ -134,6 +137,7 @@ def run_e2e_dags(stack: AirflowStack, tmp_path: Path) -> Outcome:
     finally:
         conn.close()
     out.seconds = time.monotonic() - t0
+    out.ends = ends(stack.database_url, run_ids)
     return out
 
 
@@ -163,23 +167,32 @@ def assert_airflow_outcome(out: Outcome, stack: AirflowStack) -> None:
     assert "raised on purpose by raising_trigger" in logs, f"raising_trigger's log:\n{logs[-3000:]}"
 
 
-def test_airflow_dags_reach_airflows_states_with_airflow_triggerer(
-        airflow_stack: AirflowStack, tmp_path: Path) -> None:
-    """Baseline: Airflow's own triggerer serves all three queues."""
+@pytest.fixture(scope="module")
+def under_airflow(airflow_stack: AirflowStack, tmp_path_factory: pytest.TempPathFactory) -> Outcome:
+    """The oracle: Airflow's own triggerer serves all three queues."""
     with serving(airflow_stack, ["triggerer"]):
         airflow_stack.start_triggerer(QUEUES)
-        out = run_e2e_dags(airflow_stack, tmp_path)
-    assert_airflow_outcome(out, airflow_stack)
+        return run_e2e_dags(airflow_stack, tmp_path_factory.mktemp("oracle"))
+
+
+def test_airflow_dags_reach_airflows_states_with_airflow_triggerer(
+        airflow_stack: AirflowStack, under_airflow: Outcome) -> None:
+    """Baseline: the stack and the expected states, under Airflow's own triggerer."""
+    assert_airflow_outcome(under_airflow, airflow_stack)
 
 
 def test_airflow_dags_reach_airflows_states_with_triggerflow(
-        airflow_stack: AirflowStack, tmp_path: Path, amqp_server: str) -> None:
-    """No ``airflow triggerer``: triggerflow's writer and one consumer per queue serve."""
+        airflow_stack: AirflowStack, tmp_path: Path, amqp_server: str,
+        under_airflow: Outcome) -> None:
+    """No ``airflow triggerer``: triggerflow's writer and one consumer per queue serve, and
+    every task instance ends as under Airflow's triggerer (state, try, XComs, history)."""
+    # The shipped scheduler-race hold (a deployment's), not the suite's 0.
     names = serve_with_triggerflow(airflow_stack, amqp_server, list(QUEUES),
-                                   f"tfaf{os.getpid()}")
+                                   f"tfaf{os.getpid()}", airflow_resume_delay=AIRFLOW_RESUME_DELAY)
     with serving(airflow_stack, names):
         # Airflow sees a healthy triggerer while triggerflow serves (the writer's heartbeat;
         # a triggerer stopped by an earlier test on this stack closed its job row).
         airflow_stack.wait_healthy(["triggerer"], 60)
         out = run_e2e_dags(airflow_stack, tmp_path)
     assert_airflow_outcome(out, airflow_stack)
+    assert_conforms(under_airflow.ends, out.ends, f"\n{airflow_stack.tail_logs()}")

@@ -18,6 +18,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from tests.airflow_conformance import TaskEnd, TaskKey, assert_conforms, ends
 from tests.airflow_stack import AirflowStack
 from tests.airflow_support import airflow_template, serve_with_triggerflow, stack_database
 from tests.conftest import ROOT
@@ -94,6 +95,8 @@ class Outcome:
     run_states: dict[str, str] = field(default_factory=dict)
     run_ids: dict[str, str] = field(default_factory=dict)
     xcoms: dict[str, str] = field(default_factory=dict)  # task_id -> return_value JSON text
+    ends: dict[TaskKey, TaskEnd] = field(default_factory=dict)  # how each instance ended
+    answers: dict[int, int] = field(default_factory=dict)  # the endpoint's, by status
     seconds: float = 0.0
 
 
@@ -185,6 +188,8 @@ def run_dags(stack: AirflowStack, endpoint: Endpoint) -> Outcome:
     finally:
         conn.close()
     out.seconds = time.monotonic() - t0
+    out.ends = ends(stack.database_url, out.run_ids)
+    out.answers = dict(endpoint.answers)
     return out
 
 
@@ -195,7 +200,7 @@ def task_log(stack: AirflowStack, run_id: str, task_id: str) -> str:
                      and f"run_id={run_id}" in str(p))
 
 
-def assert_outcome(out: Outcome, stack: AirflowStack, endpoint: Endpoint) -> None:
+def assert_outcome(out: Outcome, stack: AirflowStack) -> None:
     wrong = [key for key, state in EXPECTED.items() if out.states.get(key) != state]
     where = (f"\n(after {out.seconds:.0f}s; states {out.states})\n{stack.tail_logs()}\n"
              + "\n".join(task_log(stack, out.run_ids[dag_id], task_id)[-4000:]
@@ -210,25 +215,31 @@ def assert_outcome(out: Outcome, stack: AirflowStack, endpoint: Endpoint) -> Non
         value = out.xcoms.get(task_id, "")
         assert PASSWORD in value and VARIABLE_VALUE in value and "svc" in value, out.xcoms
     # the worker's first poke and at least one of the trigger's polls found 404; one 200 ended it
-    assert endpoint.answers[404] >= 2 and endpoint.answers[200] >= 1, endpoint.answers
+    assert out.answers[404] >= 2 and out.answers[200] >= 1, out.answers
     logs = task_log(stack, out.run_ids["tf_runtime_missing"], "missing_conn")
     assert "The conn_id `tf_no_such_conn` isn't defined" in logs, logs[-3000:]
 
 
-def test_runtime_dags_with_airflow_triggerer(runtime_stack: AirflowStack,
-                                            endpoint: Endpoint) -> None:
-    """Baseline: Airflow's own triggerer answers the triggers' requests."""
+@pytest.fixture(scope="module")
+def under_airflow(runtime_stack: AirflowStack, endpoint: Endpoint) -> Outcome:
+    """The oracle: Airflow's own triggerer answers the triggers' requests."""
     try:
         runtime_stack.start_triggerer([QUEUE])
-        out = run_dags(runtime_stack, endpoint)
+        return run_dags(runtime_stack, endpoint)
     finally:
         runtime_stack.stop_process("triggerer")
-    assert_outcome(out, runtime_stack, endpoint)
+
+
+def test_runtime_dags_with_airflow_triggerer(runtime_stack: AirflowStack,
+                                            under_airflow: Outcome) -> None:
+    """Baseline: the stack and the expected ends, under Airflow's own triggerer."""
+    assert_outcome(under_airflow, runtime_stack)
 
 
 def test_runtime_dags_with_triggerflow(runtime_stack: AirflowStack, amqp_server: str,
-                                      endpoint: Endpoint) -> None:
-    """No ``airflow triggerer``: ``consume --airflow`` answers them."""
+                                      endpoint: Endpoint, under_airflow: Outcome) -> None:
+    """No ``airflow triggerer``: ``consume --airflow`` answers them, and every task instance
+    ends as under Airflow's triggerer (state, try, XComs, history)."""
     names = serve_with_triggerflow(
         runtime_stack, amqp_server, [QUEUE], f"tfrt{os.getpid()}",
         allowed_modules=["airflow.providers.standard.triggers", "airflow.providers.http.triggers",
@@ -242,4 +253,5 @@ def test_runtime_dags_with_triggerflow(runtime_stack: AirflowStack, amqp_server:
     finally:
         for name in names:
             runtime_stack.stop_process(name)
-    assert_outcome(out, runtime_stack, endpoint)
+    assert_outcome(out, runtime_stack)
+    assert_conforms(under_airflow.ends, out.ends, f"\n{runtime_stack.tail_logs()}")

@@ -1,7 +1,7 @@
 """``start_from_trigger`` on a real Airflow 3.3.2 stack (scheduler, API server, dag-processor,
 LocalExecutor): the DAG of tests/airflow_dags/triggerflow_start.py runs once under Airflow's
 own triggerers (the oracle) and once under triggerflow (no Airflow triggerer), and every task
-ends the same: state, try number, XComs (run ids masked).
+ends the same (tests/airflow_conformance.py: state, try number, XComs, history rows).
 
 Airflow 3.3.2's scheduler writes a ``start_from_trigger`` task's trigger row with no queue,
 so the oracle needs an ``airflow triggerer`` without ``--queues`` beside the one serving the
@@ -14,7 +14,6 @@ renders the templated kwargs and sets ``task_instance`` as Airflow's triggerer d
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import time
 from collections.abc import Iterator
@@ -23,10 +22,12 @@ from typing import Any
 
 import pytest
 
+from tests.airflow_conformance import TaskEnd, TaskKey, assert_conforms, ends
 from tests.airflow_stack import AirflowStack, airflow_bin
 from tests.airflow_support import airflow_template, serve_with_triggerflow, stack_database
 from tests.conftest import ROOT
 from tests.test_airflow_e2e import serving
+from triggerflow.settings import AIRFLOW_RESUME_DELAY
 
 pytestmark = pytest.mark.airflow_stack  # make test-airflow (one stack at a time)
 
@@ -51,7 +52,6 @@ FROM task_instance ti LEFT JOIN trigger t ON t.id = ti.trigger_id
 WHERE ti.dag_id = %s AND ti.run_id = %s
 """
 XCOM_QUERY = "SELECT task_id, key, value FROM xcom WHERE dag_id = %s AND run_id = %s"
-HISTORY_QUERY = "SELECT count(*) FROM task_instance_history WHERE dag_id = %s AND run_id = %s"
 
 
 @dataclass
@@ -63,12 +63,8 @@ class Run:
     tasks: dict[str, tuple[str | None, int]] = field(default_factory=dict)  # state, try
     queues: dict[str, set[str | None]] = field(default_factory=dict)  # while deferred
     xcoms: dict[str, Any] = field(default_factory=dict)  # "task/key" -> value
-    history: int = 0
+    ends: dict[TaskKey, TaskEnd] = field(default_factory=dict)  # how each instance ended
     seconds: float = 0.0
-
-    def masked_xcoms(self) -> dict[str, Any]:
-        masked: dict[str, Any] = json.loads(json.dumps(self.xcoms).replace(self.run_id, "<run>"))
-        return masked
 
 
 @pytest.fixture(scope="module")
@@ -112,9 +108,8 @@ def run_dag(stack: AirflowStack) -> Run:
             time.sleep(0.3)
         cur.execute(XCOM_QUERY, (DAG_ID, run.run_id))
         run.xcoms = {f"{t}/{k}": v for t, k, v in cur.fetchall()}
-        cur.execute(HISTORY_QUERY, (DAG_ID, run.run_id))
-        run.history = cur.fetchone()[0]
     run.seconds = time.monotonic() - t0
+    run.ends = ends(stack.database_url, {DAG_ID: run.run_id})
     return run
 
 
@@ -168,11 +163,10 @@ def test_start_from_trigger_under_triggerflow_ends_as_under_airflow(
 ) -> None:
     """No Airflow triggerer: the rows with no queue run on their task's queue, templated
     kwargs rendered, ``task_instance`` set; every task ends as under Airflow's triggerer."""
-    names = serve_with_triggerflow(airflow_stack, amqp_server, list(QUEUES), f"tfsft{os.getpid()}")
+    names = serve_with_triggerflow(airflow_stack, amqp_server, list(QUEUES), f"tfsft{os.getpid()}",
+                                   airflow_resume_delay=AIRFLOW_RESUME_DELAY)  # the shipped hold
     with serving(airflow_stack, names):
         airflow_stack.wait_healthy(["triggerer"], 60)
         run = run_dag(airflow_stack)
     check(run, airflow_stack, adopted=True)
-    assert run.tasks == under_airflow.tasks  # states and try numbers
-    assert run.masked_xcoms() == under_airflow.masked_xcoms()
-    assert run.history == under_airflow.history
+    assert_conforms(under_airflow.ends, run.ends, f"\n{airflow_stack.tail_logs()}")
