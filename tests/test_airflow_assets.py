@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -44,6 +45,8 @@ ASSET = "tf_asset_flag"
 INBOX_DAG_ID = "tf_asset_inbox_scheduled"
 INBOX_ASSET = "tf_asset_inbox"
 FIRES = 2
+RABBIT_DAG_ID, RABBIT_ASSET = "tf_rabbitmq_scheduled", "tf_rabbitmq_orders"
+SOURCE_QUEUE = f"tf-asset-source-{os.getpid()}"  # on the suite's broker, this module's own
 WAIT = 300.0  # seconds for one fire to become an ended DAG run, under load
 
 EVENTS = """
@@ -75,7 +78,8 @@ def asset_stack(pg_server: str, airflow_template: str, flag: Path) -> Iterator[A
     inbox.mkdir()
     stack = AirflowStack(pg_server, DAGS, extra_env={
         "PYTHONPATH": str(ROOT), "TF_ASSET_FLAG": str(flag), "TF_ASSET_INBOX": str(inbox),
-        "TF_DEADLINE_MARKER": str(flag.with_name("deadline-marker"))})
+        "TF_DEADLINE_MARKER": str(flag.with_name("deadline-marker")),
+        "TF_ASSET_QUEUE": SOURCE_QUEUE})
     with stack_database(stack, airflow_template):
         stack.start()
         yield stack
@@ -121,17 +125,18 @@ def _rows_now(stack: AirflowStack) -> str:
     return "\n".join(lines)
 
 
-def fire_twice(stack: AirflowStack, flag: Path, asset: str = ASSET,
-               dag_id: str = DAG_ID) -> dict[str, Any]:
-    """Create the flag ``FIRES`` times, each after the previous DAG run ended; returns the
-    asset events and DAG runs that appeared, in the shape both phases are compared in."""
+def fire_twice(stack: AirflowStack, fire: Callable[[int], object], fired: Callable[[], bool],
+               asset: str, dag_id: str) -> dict[str, Any]:
+    """``fire(n)`` ``FIRES`` times, each once ``fired()`` and after the previous DAG run
+    ended; returns the asset events and DAG runs that appeared, in the shape both phases are
+    compared in."""
     events_before = {r[0] for r in _query(stack, EVENTS, asset)}
     runs_before = {r[0] for r in _query(stack, RUNS, dag_id)}
     seconds = []
     for n in range(1, FIRES + 1):
-        flag.write_text(f"fire {n}\n")
+        fire(n)
         t0 = time.monotonic()
-        _wait(stack, f"fire {n}: the watcher deleting the flag", lambda: not flag.exists())
+        _wait(stack, f"fire {n}: the watcher taking it", fired)
         _wait(stack, f"fire {n}: DAG run {n} ended", lambda n=n: len(
             [r for r in _query(stack, RUNS, dag_id)
              if r[0] not in runs_before and r[3] in ("success", "failed")]) >= n)
@@ -149,20 +154,29 @@ def fire_twice(stack: AirflowStack, flag: Path, asset: str = ASSET,
     }
 
 
+def file_fires(flag: Path) -> tuple[Callable[[int], object], Callable[[], bool]]:
+    """A watched file created (fire n) and deleted by its watcher (fired)."""
+    return (lambda n: flag.write_text(f"fire {n}\n")), (lambda: not flag.exists())
+
+
 def serve_triggerflow(stack: AirflowStack, amqp_server: str) -> list[str]:
     """Queue-less rows to triggerflow's ``default`` queue; ``CallbackTrigger`` allowed."""
     return serve_with_triggerflow(
         stack, amqp_server, ["default"], f"tfas{os.getpid()}", default_queue="default",
-        allowed_modules=["airflow.providers.standard.triggers", "airflow.triggers.callback"])
+        allowed_modules=["airflow.providers.standard.triggers", "airflow.triggers.callback",
+                         "triggerflow.airflow.rabbitmq"])
 
 
 Outcome = dict[str, Any]
 
 
 def oracle_then_triggerflow(stack: AirflowStack, amqp_server: str,
-                            case: Callable[[], Outcome]) -> tuple[Outcome, Outcome]:
+                            case: Callable[[], Outcome],
+                            then: Callable[[list[str]], None] | None = None,
+                            ) -> tuple[Outcome, Outcome]:
     """``case`` under Airflow's own triggerer (no ``--queues``: it takes queue-less rows),
-    then under triggerflow alone, no Airflow triggerer process: both outcomes."""
+    then under triggerflow alone, no Airflow triggerer process: both outcomes. ``then``
+    runs after triggerflow's ``case``, given its processes' names, before they stop."""
     stack.spawn("triggerer", [str(airflow_bin()), "triggerer"])
     try:
         stack.wait_healthy(["triggerer"], 120)
@@ -173,6 +187,8 @@ def oracle_then_triggerflow(stack: AirflowStack, amqp_server: str,
     try:
         assert "triggerer" not in stack.processes
         ours = case()
+        if then is not None:
+            then(names)
     finally:
         for name in names:
             stack.stop_process(name)
@@ -189,8 +205,8 @@ def test_asset_watcher_schedules_dag_runs_as_under_airflow_triggerer(
     go = flag.with_name("inbox") / "go"
 
     def case() -> dict[str, Any]:
-        return {"file": fire_twice(stack, flag),
-                "directory": fire_twice(stack, go, INBOX_ASSET, INBOX_DAG_ID)}
+        return {"file": fire_twice(stack, *file_fires(flag), ASSET, DAG_ID),
+                "directory": fire_twice(stack, *file_fires(go), INBOX_ASSET, INBOX_DAG_ID)}
 
     # The same trigger rows, first under the oracle, then under triggerflow alone.
     oracle, ours = oracle_then_triggerflow(stack, amqp_server, case)
@@ -251,3 +267,81 @@ def test_deadline_callback_runs_as_under_airflow_triggerer(
         ("triggerer", "import_path", "success", "deadline missed", True, True)], where
     assert oracle["marker"] == [True], where  # called once, given its DAG run's context
     assert ours == oracle, where
+
+
+def _source(amqp_server: str, management: str, *, publish: str | None = None,
+            message_id: str | None = None) -> dict[str, int]:
+    """Declare the source queue (idempotent), publish one message if asked; returns its
+    counts from the management API (ready, unacked), refreshed each second in the suite."""
+    import asyncio
+
+    import aio_pika
+    import httpx
+
+    async def go() -> None:
+        conn = await aio_pika.connect(amqp_server)
+        async with conn:
+            channel = await conn.channel()
+            await channel.declare_queue(SOURCE_QUEUE)
+            if publish is not None:
+                await channel.default_exchange.publish(
+                    aio_pika.Message(publish.encode(), message_id=message_id), SOURCE_QUEUE)
+
+    asyncio.run(go())
+    info = httpx.get(f"{management.rstrip('/')}/api/queues/%2F/{SOURCE_QUEUE}", timeout=10).json()
+    return {"ready": int(info.get("messages_ready", 0)),
+            "unacked": int(info.get("messages_unacknowledged", 0))}
+
+
+def test_rabbitmq_queue_schedules_dag_runs_as_under_airflow_triggerer(
+        asset_stack: AirflowStack, amqp_server: str, services: Any) -> None:
+    """Each message of a RabbitMQ queue one asset event and one DAG run, under both; under
+    triggerflow, a message is acked only once its asset event is committed (the writer
+    stopped: taken, not acked, no event; resumed: the event, then the ack)."""
+    stack = asset_stack
+    management = services.management
+    host, port = amqp_server.rsplit("@", 1)[1].split("/")[0].split(":")
+    stack.api("POST", "connections", json={
+        "connection_id": "tf_rabbitmq", "conn_type": "amqp", "host": host, "port": int(port),
+        "login": "guest", "password": "guest"})
+    _source(amqp_server, management)
+    stack.wait_for_dags([RABBIT_DAG_ID])
+
+    def drained() -> bool:
+        counts = _source(amqp_server, management)
+        return counts == {"ready": 0, "unacked": 0}
+
+    def case() -> dict[str, Any]:
+        return fire_twice(stack, lambda n: _source(amqp_server, management, publish=f"order {n}",
+                                                   message_id=f"order-{n}"),
+                          drained, RABBIT_ASSET, RABBIT_DAG_ID)
+
+    spied: dict[str, Any] = {}
+
+    def acked_after_commit(names: list[str]) -> None:
+        writer = stack.processes["tf-writer"].popen.pid
+        before = len(_query(stack, EVENTS, RABBIT_ASSET))
+        os.killpg(writer, signal.SIGSTOP)
+        try:
+            _source(amqp_server, management, publish="order 3", message_id="order-3")
+            spied["taken"] = _wait(stack, "the message taken, not acked", lambda: (
+                _source(amqp_server, management) == {"ready": 0, "unacked": 1}), 60)
+            time.sleep(3.0)  # an ack or an event without the writer would show by now
+            spied["held"] = _source(amqp_server, management)
+            spied["events_while_stopped"] = len(_query(stack, EVENTS, RABBIT_ASSET)) - before
+        finally:
+            os.killpg(writer, signal.SIGCONT)
+        _wait(stack, "the event committed and the message acked", lambda: drained() and len(
+            _query(stack, EVENTS, RABBIT_ASSET)) == before + 1, 60)
+
+    oracle, ours = oracle_then_triggerflow(stack, amqp_server, case, acked_after_commit)
+
+    where = f"\noracle {oracle}\ntriggerflow {ours}\nspied {spied}"
+    assert [event[0]["payload"]["body"] for event in oracle["events"]] == [
+        "order 1", "order 2"], where
+    assert oracle["runs"] == [("asset_triggered", "ASSET", "success", [i], [f"order {i + 1}"])
+                              for i in range(FIRES)], where
+    assert ours["events"] == oracle["events"], where
+    assert ours["runs"] == oracle["runs"], where
+    assert spied["held"] == {"ready": 0, "unacked": 1}, where
+    assert spied["events_while_stopped"] == 0, where

@@ -62,7 +62,7 @@ def test_only_triggers_that_ask_for_it_share() -> None:
         FileDeleteTrigger,
     )
 
-    from triggerflow.airflow.watchers import shared_key
+    from triggerflow.airflow.watchers import ack_mode, shared_key
 
     directory = DirectoryFileDeleteTrigger(directory="/x/", filename="f", poke_interval=1.0)
     assert shared_key(directory) == ("directory-scan", "/x", 1.0)
@@ -72,5 +72,6 @@ def test_only_triggers_that_ask_for_it_share() -> None:
         def create_shared_stream_producer(self, kwargs: dict[str, Any]) -> Any:  # type: ignore[override]
             raise AssertionError("not called")
 
-    # needs each event's persistence confirmed (the writer's, another process): runs alone
-    assert shared_key(AckMode(directory="/x", filename="f")) is None
+    # shared too, in ack mode: the writer confirms each event's commit (persisted.py)
+    assert shared_key(AckMode(directory="/x", filename="f")) == ("directory-scan", "/x", 5.0)
+    assert ack_mode(AckMode) and not ack_mode(DirectoryFileDeleteTrigger)

@@ -8,8 +8,8 @@ tests/test_airflow_assets.py runs it both ways. The file's path comes from the e
 the stack's processes share (``TF_ASSET_FLAG``).
 
 ``DirectoryFileDeleteTrigger`` does the same for a file name in a directory
-(``TF_ASSET_INBOX``). Airflow's triggerer runs it on a shared directory scan
-(``shared_stream_key``); triggerflow runs its ``run()``, the same scan for one trigger.
+(``TF_ASSET_INBOX``), on a directory scan shared by every such watcher of the directory
+(``shared_stream_key``), under Airflow's triggerer and under triggerflow alike.
 """
 
 from __future__ import annotations

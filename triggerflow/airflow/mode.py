@@ -144,11 +144,15 @@ class AirflowMode:
     @contextlib.asynccontextmanager
     async def serving_consumer(self) -> AsyncIterator[object]:
         from triggerflow.airflow import runtime, task_context, trigger_logs
+        from triggerflow.airflow.persisted import PENDING
+        from triggerflow.airflow.watchers import shared_streams
 
+        dsn = self.settings.database_dsn()
         await asyncio.to_thread(task_context.prepare_orm)  # before any trigger's thread
-        async with runtime.serving() as served:
+        async with runtime.serving() as served, \
+                PENDING.serving(dsn, lambda seqs: shared_streams().confirm_persisted(seqs)):
             # After the runtime: its secrets masker is on before any line is captured.
-            with trigger_logs.writing(self.settings.database_dsn()):
+            with trigger_logs.writing(dsn):
                 yield served
 
     @contextlib.asynccontextmanager

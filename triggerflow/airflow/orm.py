@@ -27,6 +27,7 @@ from airflow.triggers.base import TaskFailedEvent, TriggerEvent
 from sqlalchemy import Engine, TextClause, create_engine, text
 from sqlalchemy.orm import Session
 
+from triggerflow.airflow import persisted
 from triggerflow.airflow.events import AirflowEvent
 from triggerflow.airflow.nontask import NON_TASK
 from triggerflow.airflow.schema import SCHEMA
@@ -110,10 +111,15 @@ FOR UPDATE OF s
 """)
 
 
+# Delivered only if the event's transaction commits: what acks an ack-mode stream's message.
+PERSISTED = text(f"SELECT pg_notify('{persisted.CHANNEL}', :notice)")
+
+
 def _watched(session: Session, event: AirflowEvent) -> None:
     payload = deserialize(json.loads(event.body))
     Trigger.submit_event(event.trigger_id, TriggerEvent(payload),  # type: ignore[no-untyped-call]
                          session=session)
+    session.execute(PERSISTED, {"notice": persisted.notice(event.trigger_id, event.body)})
 
 
 def apply_watcher_events(dsn: str, events: Sequence[AirflowEvent],

@@ -19,9 +19,9 @@ Watchers that share I/O (Airflow 3.3's ``BaseEventTrigger.shared_stream_key``, e
 ``DirectoryFileDeleteTrigger``s on one directory) share it here too: one
 ``open_shared_stream`` poll per key and consumer, driven by Airflow's own
 ``SharedStreamManager``, each trigger reading it through its ``filter_shared_stream``. A
-stream in ack mode (the trigger overrides ``create_shared_stream_producer``) needs each
-event's persistence confirmed, which happens in the writer, another process: those triggers
-run their own ``run()``, as Airflow does for a trigger that opts out.
+stream in ack mode (the trigger overrides ``create_shared_stream_producer``) acks a message
+only once the events derived from it are committed; the writer commits them, in another
+process, and says so through PostgreSQL (``persisted``).
 
 ``WatcherCoroutine`` is the consumer's side (``keeps_running``: the runner emits each event
 and steps on); ``nontask`` holds the SQL the store uses to claim and keep these rows; the
@@ -44,6 +44,7 @@ from typing import Any
 import greenback
 
 from triggerflow.airflow.codec import Encoded, encode_event
+from triggerflow.airflow.persisted import PENDING, wire_body
 from triggerflow.airflow.runtime import CURRENT_TRIGGER
 from triggerflow.loader import AllowedClasses
 from triggerflow.store.interface import TriggerSpec
@@ -81,7 +82,7 @@ def shared_key(trigger: Any) -> Hashable | None:
     """The shared stream ``trigger`` reads, or None: it runs its own ``run()``."""
     from airflow.triggers.base import BaseEventTrigger
 
-    if not isinstance(trigger, BaseEventTrigger) or _ack_mode(type(trigger)):
+    if not isinstance(trigger, BaseEventTrigger):
         return None
     try:
         return trigger.shared_stream_key()
@@ -91,7 +92,8 @@ def shared_key(trigger: Any) -> Hashable | None:
         return None
 
 
-def _ack_mode(cls: type) -> bool:
+def ack_mode(cls: type) -> bool:
+    """Whether ``cls`` opts its shared stream into ack mode (as Airflow's manager decides)."""
     from airflow.triggers.base import BaseEventTrigger
 
     for klass in cls.__mro__:
@@ -137,15 +139,17 @@ class WatcherCoroutine(BaseTrigger):
             trigger.trigger_id = self.trigger_id
             events = 0
             key = shared_key(trigger)
-            if key is None:
-                agen = trigger.run()
-            else:
-                agen = trigger.filter_shared_stream(shared_streams().subscribe(
-                    trigger_id=self.trigger_id, trigger=trigger, key=key))
+            acked = key is not None and ack_mode(type(trigger))
+            if acked:
+                await PENDING.listening()  # before any event: its confirmation must arrive
+            agen = trigger.run() if key is None else trigger.filter_shared_stream(
+                shared_streams().subscribe(trigger_id=self.trigger_id, trigger=trigger, key=key))
             try:
                 async for event in agen:
                     events += 1
                     _, body = encode_event(event)
+                    if acked:  # bound before the event leaves, no await in between
+                        self._bind(key, body)
                     yield WatcherEvent(body)
                 log.info("trigger %s (ID %s) ended after %d event(s)",
                          type(trigger).__qualname__, self.trigger_id, events)
@@ -155,20 +159,31 @@ class WatcherCoroutine(BaseTrigger):
                               type(trigger).__qualname__, self.trigger_id)
             finally:
                 await agen.aclose()
-                if key is not None:
-                    try:
-                        await shared_streams().unsubscribe(self.trigger_id, key)
-                    except Exception:
-                        log.exception("leaving the shared stream %r failed", key)
-                try:
-                    await trigger.cleanup()
-                except Exception:
-                    log.warning("cleanup of %s failed", type(trigger).__qualname__,
-                                exc_info=True)
-                self.current = None
+                await self._stopped(trigger, key, acked)
             if self.restart_delay is None:
                 return
             await asyncio.sleep(self.restart_delay)
+
+    def _bind(self, key: Hashable, body: str) -> None:
+        """An ack-mode event's message is acked once the writer says it is committed."""
+        seq = shared_streams().bind_pending_event(trigger_id=self.trigger_id, key=key)
+        if seq is not None and self.trigger_id is not None:
+            PENDING.expect(self.trigger_id, wire_body(body), seq)
+
+    async def _stopped(self, trigger: Any, key: Hashable | None, acked: bool) -> None:
+        """One run of ``trigger`` ended: leave its stream, clean it up (as Airflow does)."""
+        if acked and self.trigger_id is not None:
+            PENDING.forget(self.trigger_id)
+        if key is not None:
+            try:
+                await shared_streams().unsubscribe(self.trigger_id, key)
+            except Exception:
+                log.exception("leaving the shared stream %r failed", key)
+        try:
+            await trigger.cleanup()
+        except Exception:
+            log.warning("cleanup of %s failed", type(trigger).__qualname__, exc_info=True)
+        self.current = None
 
     async def cleanup(self) -> None:
         # run()'s own ``finally`` cleaned each trigger it started; nothing is left here.
