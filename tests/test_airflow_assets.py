@@ -1,7 +1,8 @@
 """Trigger rows with no task on a real Airflow 3.3.2 stack (scheduler, API server,
 dag-processor, LocalExecutor): DAGs scheduled by assets whose watchers are
 ``FileDeleteTrigger`` and ``DirectoryFileDeleteTrigger``
-(``tests/airflow_asset_dags/triggerflow_assets.py``), and a deadline alert whose
+(``tests/airflow_asset_dags/triggerflow_assets.py``) and triggerflow's
+``RabbitMQQueueTrigger`` (``triggerflow_rabbitmq.py``), and a deadline alert whose
 ``AsyncCallback`` runs on the triggerer (``triggerflow_deadline.py``).
 
 Each test has two phases on one stack, Airflow's own triggerer first as the oracle:
@@ -31,7 +32,12 @@ from typing import Any
 import pytest
 
 from tests.airflow_stack import AirflowStack, airflow_bin
-from tests.airflow_support import airflow_template, serve_with_triggerflow, stack_database
+from tests.airflow_support import (
+    airflow_template,
+    delete_queues,
+    serve_with_triggerflow,
+    stack_database,
+)
 from tests.conftest import ROOT
 from triggerflow.airflow.schema import SCHEMA
 
@@ -73,7 +79,10 @@ def flag() -> Iterator[Path]:
 
 
 @pytest.fixture(scope="module")
-def asset_stack(pg_server: str, airflow_template: str, flag: Path) -> Iterator[AirflowStack]:
+def asset_stack(pg_server: str, airflow_template: str, flag: Path, amqp_server: str,
+                services: Any) -> Iterator[AirflowStack]:
+    """The stack, its broker connection ``tf_rabbitmq`` and the RabbitMQ watcher's queue
+    made first, so that watcher waits quietly (no failing restarts) in every test."""
     inbox = flag.with_name("inbox")
     inbox.mkdir()
     stack = AirflowStack(pg_server, DAGS, extra_env={
@@ -82,7 +91,13 @@ def asset_stack(pg_server: str, airflow_template: str, flag: Path) -> Iterator[A
         "TF_ASSET_QUEUE": SOURCE_QUEUE})
     with stack_database(stack, airflow_template):
         stack.start()
+        host, port = amqp_server.rsplit("@", 1)[1].split("/")[0].split(":")
+        stack.api("POST", "connections", json={
+            "connection_id": "tf_rabbitmq", "conn_type": "amqp", "host": host,
+            "port": int(port), "login": "guest", "password": "guest"})
+        _source(amqp_server, services.management)
         yield stack
+    delete_queues(amqp_server, [SOURCE_QUEUE])
     assert stack.leftovers() == [], "Airflow processes outlived the stack"
 
 
@@ -199,9 +214,9 @@ def test_asset_watcher_schedules_dag_runs_as_under_airflow_triggerer(
         asset_stack: AirflowStack, flag: Path, amqp_server: str) -> None:
     stack = asset_stack
     stack.wait_for_dags([DAG_ID, INBOX_DAG_ID])
-    rows = _wait(stack, "the watchers' trigger rows",
-                 lambda: [r for r in [_query(stack, WATCHER_ROWS)] if len(r) == 2], 120)[0]
-    assert [queue for _, queue in rows] == [None, None], rows  # a watcher's row has no queue
+    rows = _wait(stack, "the watchers' trigger rows",  # the file, directory and queue ones
+                 lambda: [r for r in [_query(stack, WATCHER_ROWS)] if len(r) == 3], 120)[0]
+    assert [queue for _, queue in rows] == [None] * 3, rows  # a watcher's row has no queue
     go = flag.with_name("inbox") / "go"
 
     def case() -> dict[str, Any]:
@@ -300,11 +315,6 @@ def test_rabbitmq_queue_schedules_dag_runs_as_under_airflow_triggerer(
     stopped: taken, not acked, no event; resumed: the event, then the ack)."""
     stack = asset_stack
     management = services.management
-    host, port = amqp_server.rsplit("@", 1)[1].split("/")[0].split(":")
-    stack.api("POST", "connections", json={
-        "connection_id": "tf_rabbitmq", "conn_type": "amqp", "host": host, "port": int(port),
-        "login": "guest", "password": "guest"})
-    _source(amqp_server, management)
     stack.wait_for_dags([RABBIT_DAG_ID])
 
     def drained() -> bool:
