@@ -119,3 +119,29 @@ def test_the_rabbitmq_trigger_is_an_ack_mode_shared_stream() -> None:
                                                "prefetch": 100})
     assert shared_key(trigger) == ("rabbitmq", "broker", "inbox")
     assert ack_mode(RabbitMQQueueTrigger)
+
+
+async def test_an_ack_mode_watcher_that_cannot_listen_is_started_again_not_failed(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """No LISTEN connection (here: no consumer database at all): the watcher does not start
+    its stream, so no message can be taken that could never be acked; it is started again,
+    as Airflow's triggerer restarts a failed watcher, and no failure event is emitted."""
+    from triggerflow.airflow.rabbitmq import RabbitMQQueueTrigger
+    from triggerflow.airflow.watchers import WatcherCoroutine
+
+    events: list[tuple[int, EventKind]] = []
+    built: list[int] = []
+
+    def build() -> Any:
+        built.append(1)
+        return RabbitMQQueueTrigger(queue="never-read", conn_id=CONN_ID)
+
+    runner = TriggerRunner(lambda held, kind, payload: events.append((held.id, kind)))
+    watcher = WatcherCoroutine(build, restart_delay=0.05)
+    runner.start(Held(9, 1, "q", "c", None, None, None), watcher)
+    await wait_until(lambda: asyncio.sleep(0, len(built) >= 3), 10, interval=0.02,
+                     message="the watcher built again after each refusal")
+    runner.cancel([9])
+    await runner.wait_cleanups()
+    assert events == []
+    assert "cannot LISTEN for its events' commits" in caplog.text

@@ -140,8 +140,8 @@ class WatcherCoroutine(BaseTrigger):
             events = 0
             key = shared_key(trigger)
             acked = key is not None and ack_mode(type(trigger))
-            if acked:
-                await PENDING.listening()  # before any event: its confirmation must arrive
+            if acked and not await self._listening(trigger):
+                continue
             agen = trigger.run() if key is None else trigger.filter_shared_stream(
                 shared_streams().subscribe(trigger_id=self.trigger_id, trigger=trigger, key=key))
             try:
@@ -163,6 +163,20 @@ class WatcherCoroutine(BaseTrigger):
             if self.restart_delay is None:
                 return
             await asyncio.sleep(self.restart_delay)
+
+    async def _listening(self, trigger: Any) -> bool:
+        """LISTEN for the writer's commits before an ack-mode stream's first event (its
+        confirmation must not be missed); False, after the restart delay, when the database
+        cannot be reached: started again, as after a failure."""
+        try:
+            await PENDING.listening()
+            return True
+        except Exception:
+            log.exception("trigger %s (ID %s): cannot LISTEN for its events' commits; "
+                          "starting it again", type(trigger).__qualname__, self.trigger_id)
+            self.current = None
+            await asyncio.sleep(self.restart_delay or RESTART_DELAY)
+            return False
 
     def _bind(self, key: Hashable, body: str) -> None:
         """An ack-mode event's message is acked once the writer says it is committed."""
