@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 from bench.airflow import _Db, _tree_rss, seed_rows
 from bench.airflow_seed import bench_dag
 from bench.airflow_serve import QUEUE, TRIGGERFLOW, serve_with_triggerflow
-from bench.airflow_waiting import HELD_SQL, _per_role
+from bench.airflow_waiting import HELD_SQL, _per_role, held_within
 from tests.airflow_stack import AirflowStack
 
 if TYPE_CHECKING:
@@ -96,25 +96,11 @@ def _tree_cpu(pgid: int) -> float:
     return total / os.sysconf("SC_CLK_TCK")
 
 
-def _held(db: _Db, total: int, limit: float, log: Any, what: str) -> float:
-    """Seconds until the consumer holds ``total`` rows (progress every 10 s)."""
-    t0 = time.monotonic()
-    shown = t0
-    while True:
-        held = int(db.one(HELD_SQL))
-        if held >= total:
-            return time.monotonic() - t0
-        elapsed = time.monotonic() - t0
-        if elapsed > limit:
-            raise RuntimeError(f"the consumer held {held:,} of {total:,} {what} after {limit:.0f} s")
-        if time.monotonic() - shown >= 10:
-            shown = time.monotonic()
-            log(f"airflow-million: {held:,} of {total:,} {what} held after {elapsed:.0f}s")
-        time.sleep(0.5)
-
-
 def measure_million(server_url: str, amqp_url: str, sizes: MillionSizes, log: Any = print,
                     ) -> dict[str, Any]:
+    def progress(line: str) -> None:
+        log(f"airflow-million: {line}")
+
     dags = Path(tempfile.mkdtemp(prefix="tf-bench-million-dags-"))
     (dags / "tf_bench_airflow.py").write_text(bench_dag(sizes.template, QUEUE))
     stack = AirflowStack(server_url, dags)
@@ -130,7 +116,7 @@ def measure_million(server_url: str, amqp_url: str, sizes: MillionSizes, log: An
         pgid = stack.processes[TRIGGERFLOW.process].popen.pid
         rss_empty = _tree_rss(pgid)
         seeded = seed_rows(stack, sizes.template, 6 * 3600.0)
-        _held(db, sizes.template, sizes.limit, log, "template rows")
+        held_within(db, sizes.template, sizes.limit, progress, "template rows")
         time.sleep(3.0)  # the claims' allocations are over
         rss_warm, cpu_warm = _tree_rss(pgid), _tree_cpu(pgid)
         template = int(db.one("SELECT min(trigger_id) FROM task_instance WHERE run_id = %s",
@@ -149,7 +135,7 @@ def measure_million(server_url: str, amqp_url: str, sizes: MillionSizes, log: An
                 log(f"airflow-million: {base:,} rows written in {time.monotonic() - t0:.0f}s, "
                     f"{held:,} held")
         written_s = time.monotonic() - t0
-        _held(db, sizes.n, sizes.limit, log, "rows")
+        held_within(db, sizes.n, sizes.limit, progress, "rows")
         claim_s = time.monotonic() - t0
         cpu_claim = _tree_cpu(pgid) - cpu_warm
         time.sleep(3.0)

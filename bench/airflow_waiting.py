@@ -59,16 +59,27 @@ def _per_role(db: Any) -> tuple[dict[str, int], list[dict[str, Any]]]:
     return calls, [{"role": r, "calls": int(c), "statement": q} for r, c, q in rows]
 
 
-def _hold(db: Any, total: int) -> None:
-    deadline = time.monotonic() + 300
-    held = 0
-    while time.monotonic() < deadline:
+def held_within(db: Any, total: int, limit: float, log: Callable[[str], None] | None = None,
+                what: str = "waiting triggers") -> float:
+    """Seconds until the consumer holds ``total`` rows (``log``: progress every 10 s); raises
+    after ``limit`` seconds."""
+    t0 = shown = time.monotonic()
+    while True:
         held = int(db.one(HELD_SQL))
         if held >= total:
-            time.sleep(3.0)  # claims and their allocations are over
-            return
+            return time.monotonic() - t0
+        elapsed = time.monotonic() - t0
+        if elapsed > limit:
+            raise RuntimeError(f"the consumer held {held:,} of {total:,} {what} after {limit:.0f} s")
+        if log is not None and time.monotonic() - shown >= 10:
+            shown = time.monotonic()
+            log(f"{held:,} of {total:,} {what} held after {elapsed:.0f}s")
         time.sleep(0.5)
-    raise RuntimeError(f"the consumer held {held:,} of {total:,} waiting triggers after 300 s")
+
+
+def _hold(db: Any, total: int) -> None:
+    held_within(db, total, 300.0)
+    time.sleep(3.0)  # claims and their allocations are over
 
 
 def waiting(db: Any, n: int, window: float, seed: Callable[[int, float], dict[str, Any]],
