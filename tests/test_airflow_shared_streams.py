@@ -75,3 +75,48 @@ def test_only_triggers_that_ask_for_it_share() -> None:
     # shared too, in ack mode: the writer confirms each event's commit (persisted.py)
     assert shared_key(AckMode(directory="/x", filename="f")) == ("directory-scan", "/x", 5.0)
     assert ack_mode(AckMode) and not ack_mode(DirectoryFileDeleteTrigger)
+
+
+async def test_a_cancel_while_leaving_the_stream_stops_the_watcher(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A watcher cancelled while it leaves its stream (Airflow's ``group.stop()`` awaits the
+    poll under ``suppress(CancelledError)``) stops; it is not started again. A CI run had
+    the cancel swallowed there, the watcher restarted and its stream left running."""
+    from airflow.providers.standard.triggers.file import DirectoryFileDeleteTrigger
+
+    from triggerflow.airflow.watchers import WatcherCoroutine, shared_streams
+
+    scan = DirectoryFileDeleteTrigger.open_shared_stream.__func__  # type: ignore[attr-defined]
+    stopping = asyncio.Event()
+
+    async def slow_to_stop(cls: type, kwargs: dict[str, Any]) -> AsyncIterator[Any]:
+        try:
+            async for snapshot in scan(cls, kwargs):
+                yield snapshot
+        finally:
+            stopping.set()
+            await asyncio.sleep(0.5)  # the poll's own clean-up: the window for the cancel
+
+    monkeypatch.setattr(DirectoryFileDeleteTrigger, "open_shared_stream",
+                        classmethod(slow_to_stop))
+    out: list[int] = []
+    built: list[int] = []
+
+    def build() -> Any:
+        built.append(1)
+        return DirectoryFileDeleteTrigger(directory=str(tmp_path), filename="a",
+                                          poke_interval=0.05)
+
+    runner = TriggerRunner(lambda held, kind, payload: out.append(held.id))
+    runner.start(Held(1, 1, "q", "c", None, None, None), WatcherCoroutine(build, 0.2))
+    await asyncio.sleep(0.2)
+    (tmp_path / "a").write_text("")
+    # the watcher fired and ended its run(); it is now leaving the stream, which stops
+    await asyncio.wait_for(stopping.wait(), 5)
+    runner.cancel([1])
+    await runner.wait_cleanups(timeout=3.0)
+    await asyncio.sleep(0.5)  # a watcher started again would have built a second trigger
+    assert out == [1]
+    assert built == [1]
+    assert not runner._cleanups  # the task ended
+    assert shared_streams()._groups == {}

@@ -188,16 +188,27 @@ class WatcherCoroutine(BaseTrigger):
         """One run of ``trigger`` ended: leave its stream, clean it up (as Airflow does)."""
         if acked and self.trigger_id is not None:
             PENDING.forget(self.trigger_id)
+        cancelled = False
         if key is not None:
+            # Airflow's group.stop() awaits its poll under suppress(CancelledError): a cancel
+            # of this task landing there was swallowed, and the watcher started again for
+            # good. Shielded, the cancel reaches this task; leaving the stream still ends.
+            leaving = asyncio.ensure_future(shared_streams().unsubscribe(self.trigger_id, key))
             try:
-                await shared_streams().unsubscribe(self.trigger_id, key)
-            except Exception:
-                log.exception("leaving the shared stream %r failed", key)
+                await asyncio.shield(leaving)
+            except asyncio.CancelledError:
+                cancelled = True
+                await asyncio.wait([leaving])
+            if not leaving.cancelled() and leaving.exception() is not None:
+                log.error("leaving the shared stream %r failed", key,
+                          exc_info=leaving.exception())
         try:
             await trigger.cleanup()
         except Exception:
             log.warning("cleanup of %s failed", type(trigger).__qualname__, exc_info=True)
         self.current = None
+        if cancelled:
+            raise asyncio.CancelledError
 
     async def cleanup(self) -> None:
         # run()'s own ``finally`` cleaned each trigger it started; nothing is left here.
