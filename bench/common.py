@@ -17,7 +17,7 @@ from typing import Any
 
 from triggerflow.triggers.base import BaseTrigger, TriggerEvent
 
-SCENARIOS = ("reference", "capacity", "burst", "held", "wide", "steady", "dbload", "periodic",
+SCENARIOS = ("reference", "capacity", "burst", "held", "fire", "wide", "steady", "dbload", "periodic",
              "defer", "failover", "lateness", "million", "promote", "nodeloss", "zone")
 ROLES = ("consumer", "writer", "sdk")
 FAR = 3600.0  # seconds ahead for triggers that must only wait

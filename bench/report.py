@@ -11,6 +11,7 @@ from bench.common import TARGETS, Sizes, ms, num
 from bench.dbload import scenario_dbload, tables_dbload
 from bench.defer import scenario_defer, table_defer
 from bench.failover import scenario_failover, table_failover
+from bench.fire import scenario_fire, table_fire
 from bench.harness import Bench
 from bench.lateness import lateness_ok, scenario_lateness, table_lateness
 from bench.million import million_checks, scenario_million, table_million
@@ -223,7 +224,8 @@ def plot_bursts(burst: dict[str, Any], path: Path) -> bool:
 # ----------------------------------------------------------------------------- entry point
 
 RUNNERS: dict[str, Callable[[Bench], Awaitable[dict[str, Any]]]] = {
-    "reference": scenario_reference, "held": scenario_held, "wide": scenario_wide,
+    "reference": scenario_reference, "held": scenario_held, "fire": scenario_fire,
+    "wide": scenario_wide,
     "periodic": scenario_periodic,
     "capacity": scenario_capacity, "burst": scenario_burst, "steady": scenario_steady,
     "dbload": scenario_dbload, "defer": scenario_defer, "failover": scenario_failover,
@@ -237,6 +239,7 @@ RUNNERS: dict[str, Callable[[Bench], Awaitable[dict[str, Any]]]] = {
 SIMPLE_TABLES: dict[str, Callable[[dict[str, Any]], Table]] = {
     "capacity": table_capacity, "reference": table_reference, "steady": table_steady,
     "million": table_million, "zone": table_zone, "nodeloss": table_nodeloss,
+    "fire": table_fire,
 }
 
 

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 from collections.abc import AsyncIterator
 from typing import Any
 
 from airflow.sdk import BaseOperator
-from airflow.triggers.base import BaseTrigger, StartTriggerArgs, TriggerEvent
+from airflow.triggers.base import BaseEventTrigger, BaseTrigger, StartTriggerArgs, TriggerEvent
 
 
 class RaisingTrigger(BaseTrigger):
@@ -236,3 +237,33 @@ class LoggingTrigger(BaseTrigger):
         self.log.info("the secret is %s", self.secret)
         await asyncio.sleep(self.hold)
         yield TriggerEvent(self.marker)
+
+
+class CountingFileTrigger(BaseEventTrigger):
+    """An asset watcher that keeps a count in its asset's state store: when ``filepath``
+    appears it deletes it, reads ``fires`` with the async accessor, writes it plus one with
+    the sync one (through the greenback portal, as under Airflow's triggerer), and fires with
+    the new count. The count lives in Airflow's database, so a second triggerer (triggerflow
+    after ``airflow triggerer``) goes on from the first one's."""
+
+    def __init__(self, filepath: str, poke_interval: float = 0.5) -> None:
+        super().__init__()
+        self.filepath = filepath
+        self.poke_interval = poke_interval
+
+    def serialize(self) -> tuple[str, dict[str, Any]]:
+        return (f"{__name__}.CountingFileTrigger",
+                {"filepath": self.filepath, "poke_interval": self.poke_interval})
+
+    async def run(self) -> AsyncIterator[TriggerEvent]:
+        while True:  # a poll, as FileDeleteTrigger's
+            if os.path.exists(self.filepath):
+                break
+            await asyncio.sleep(self.poke_interval)
+        os.remove(self.filepath)
+        store = self.asset_state_store
+        if store is None:
+            raise RuntimeError("no asset_state_store given to the watcher")
+        fires = int(await store.aget("fires", 0)) + 1  # type: ignore[arg-type]
+        store.set("fires", fires)
+        yield TriggerEvent({"fires": fires})

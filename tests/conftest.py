@@ -354,6 +354,20 @@ def procs(request: pytest.FixtureRequest, settings: Settings, topology: Topology
 START_WAIT = 60.0
 
 
+class Counted:
+    """Stands in for the metrics (``get_metrics()``): every ``<counter>.add(n, labels)``."""
+
+    def __init__(self) -> None:
+        self.adds: list[tuple[str, int, dict[str, str] | None]] = []
+
+    def __getattr__(self, counter: str) -> Any:
+        class Counter:
+            @staticmethod
+            def add(n: int, labels: dict[str, str] | None = None) -> None:
+                self.adds.append((counter, n, labels))
+        return Counter()
+
+
 async def wait_until(
     check: Callable[[], Awaitable[Any]], timeout: float, interval: float = 0.1,
     message: str = "condition",

@@ -1,7 +1,7 @@
 """Trigger rows with no task on a real Airflow 3.3.2 stack (scheduler, API server,
 dag-processor, LocalExecutor): DAGs scheduled by assets whose watchers are
-``FileDeleteTrigger`` and ``DirectoryFileDeleteTrigger``
-(``tests/airflow_asset_dags/triggerflow_assets.py``) and triggerflow's
+``FileDeleteTrigger``, ``DirectoryFileDeleteTrigger`` and a watcher that counts its fires
+in its asset's state store (``tests/airflow_asset_dags/triggerflow_assets.py``) and triggerflow's
 ``RabbitMQQueueTrigger`` (``triggerflow_rabbitmq.py``), and a deadline alert whose
 ``AsyncCallback`` runs on the triggerer (``triggerflow_deadline.py``).
 
@@ -50,6 +50,7 @@ DAG_ID = "tf_asset_scheduled"
 ASSET = "tf_asset_flag"
 INBOX_DAG_ID = "tf_asset_inbox_scheduled"
 INBOX_ASSET = "tf_asset_inbox"
+COUNTED_DAG_ID, COUNTED_ASSET = "tf_asset_counted_scheduled", "tf_asset_counted"
 FIRES = 2
 RABBIT_DAG_ID, RABBIT_ASSET = "tf_rabbitmq_scheduled", "tf_rabbitmq_orders"
 SOURCE_QUEUE = f"tf-asset-source-{os.getpid()}"  # on the suite's broker, this module's own
@@ -87,6 +88,7 @@ def asset_stack(pg_server: str, airflow_template: str, flag: Path, amqp_server: 
     inbox.mkdir()
     stack = AirflowStack(pg_server, DAGS, extra_env={
         "PYTHONPATH": str(ROOT), "TF_ASSET_FLAG": str(flag), "TF_ASSET_INBOX": str(inbox),
+        "TF_ASSET_COUNTED": str(flag.with_name("counted")),
         "TF_DEADLINE_MARKER": str(flag.with_name("deadline-marker")),
         "TF_ASSET_QUEUE": SOURCE_QUEUE})
     with stack_database(stack, airflow_template):
@@ -179,7 +181,7 @@ def serve_triggerflow(stack: AirflowStack, amqp_server: str) -> list[str]:
     return serve_with_triggerflow(
         stack, amqp_server, ["default"], f"tfas{os.getpid()}", default_queue="default",
         allowed_modules=["airflow.providers.standard.triggers", "airflow.triggers.callback",
-                         "triggerflow.airflow.rabbitmq"])
+                         "triggerflow.airflow.rabbitmq", "tests.airflow_triggers"])
 
 
 Outcome = dict[str, Any]
@@ -213,25 +215,34 @@ def oracle_then_triggerflow(stack: AirflowStack, amqp_server: str,
 def test_asset_watcher_schedules_dag_runs_as_under_airflow_triggerer(
         asset_stack: AirflowStack, flag: Path, amqp_server: str) -> None:
     stack = asset_stack
-    stack.wait_for_dags([DAG_ID, INBOX_DAG_ID])
-    rows = _wait(stack, "the watchers' trigger rows",  # the file, directory and queue ones
-                 lambda: [r for r in [_query(stack, WATCHER_ROWS)] if len(r) == 3], 120)[0]
-    assert [queue for _, queue in rows] == [None] * 3, rows  # a watcher's row has no queue
+    stack.wait_for_dags([DAG_ID, INBOX_DAG_ID, COUNTED_DAG_ID])
+    rows = _wait(stack, "the watchers' trigger rows",  # file, directory, counted and queue
+                 lambda: [r for r in [_query(stack, WATCHER_ROWS)] if len(r) == 4], 120)[0]
+    assert [queue for _, queue in rows] == [None] * 4, rows  # a watcher's row has no queue
     go = flag.with_name("inbox") / "go"
+    counted = flag.with_name("counted")
 
     def case() -> dict[str, Any]:
         return {"file": fire_twice(stack, *file_fires(flag), ASSET, DAG_ID),
-                "directory": fire_twice(stack, *file_fires(go), INBOX_ASSET, INBOX_DAG_ID)}
+                "directory": fire_twice(stack, *file_fires(go), INBOX_ASSET, INBOX_DAG_ID),
+                "counted": fire_twice(stack, *file_fires(counted), COUNTED_ASSET,
+                                      COUNTED_DAG_ID)}
 
     # The same trigger rows, first under the oracle, then under triggerflow alone.
     oracle, ours = oracle_then_triggerflow(stack, amqp_server, case)
 
     where = f"\noracle {oracle}\ntriggerflow {ours}"
-    payloads = {"file": True, "directory": {"filepath": str(go)}}
-    for watcher, payload in payloads.items():
-        expected_event = ({"from_trigger": True, "payload": payload}, None, None, None, -1)
-        assert oracle[watcher]["events"] == [expected_event] * FIRES, where
-        assert ours[watcher]["events"] == oracle[watcher]["events"], where
+    # The counting watcher's count is its asset's state store in Airflow's database:
+    # triggerflow's fires go on from the oracle's (3 and 4 after 1 and 2).
+    payloads = {"file": ([True] * FIRES, [True] * FIRES),
+                "directory": ([{"filepath": str(go)}] * FIRES,) * 2,
+                "counted": ([{"fires": n} for n in range(1, FIRES + 1)],
+                            [{"fires": n} for n in range(FIRES + 1, 2 * FIRES + 1)])}
+    for watcher, (under_airflow, under_triggerflow) in payloads.items():
+        for outcome, expected in ((oracle, under_airflow), (ours, under_triggerflow)):
+            assert outcome[watcher]["events"] == [
+                ({"from_trigger": True, "payload": payload}, None, None, None, -1)
+                for payload in expected], where
         assert oracle[watcher]["runs"] == [("asset_triggered", "ASSET", "success", [i], 1)
                                            for i in range(FIRES)], where
         assert ours[watcher]["runs"] == oracle[watcher]["runs"], where

@@ -18,7 +18,7 @@ import asyncpg
 import pytest
 
 import tests.airflow_support  # noqa: F401 - configures Airflow before it is imported
-from tests.conftest import wait_until
+from tests.conftest import Counted, wait_until
 from triggerflow.model import EventKind
 from triggerflow.runner import Held, TriggerRunner
 from triggerflow.wire import encode_json
@@ -122,7 +122,7 @@ def test_the_rabbitmq_trigger_is_an_ack_mode_shared_stream() -> None:
 
 
 async def test_an_ack_mode_watcher_that_cannot_listen_is_started_again_not_failed(
-        caplog: pytest.LogCaptureFixture) -> None:
+        caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
     """No LISTEN connection (here: no consumer database at all): the watcher does not start
     its stream, so no message can be taken that could never be acked; it is started again,
     as Airflow's triggerer restarts a failed watcher, and no failure event is emitted."""
@@ -131,6 +131,8 @@ async def test_an_ack_mode_watcher_that_cannot_listen_is_started_again_not_faile
 
     events: list[tuple[int, EventKind]] = []
     built: list[int] = []
+    counted = Counted()
+    monkeypatch.setattr("triggerflow.airflow.watchers.get_metrics", lambda: counted)
 
     def build() -> Any:
         built.append(1)
@@ -145,3 +147,7 @@ async def test_an_ack_mode_watcher_that_cannot_listen_is_started_again_not_faile
     await runner.wait_cleanups()
     assert events == []
     assert "cannot LISTEN for its events' commits" in caplog.text
+    # ... and counted, for the dashboards and alerts (not only a log line)
+    restarts = [labels for name, _, labels in counted.adds if name == "watcher_restarts"]
+    assert restarts[:2] == [{"trigger_class": "RabbitMQQueueTrigger",
+                             "reason": "listen_failed"}] * 2, counted.adds

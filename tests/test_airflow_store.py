@@ -4,6 +4,7 @@ backstop, cancellation sweep, and the NOTIFY listener."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections.abc import AsyncIterator
@@ -34,6 +35,16 @@ async def served(airflow_db: str) -> AsyncIterator[str]:
     dsn = af.dsn_of(airflow_db)
     await af.prepare(dsn)
     yield dsn
+
+
+@contextlib.asynccontextmanager
+async def opened(dsn: str, **options: Any) -> AsyncIterator[AirflowStore]:
+    """An ``AirflowStore`` on ``dsn`` for the block, closed after it whatever happens."""
+    store = await AirflowStore.connect(dsn, **options)
+    try:
+        yield store
+    finally:
+        await store.close()
 
 
 async def defer(dsn: str, name: str, queue: str | None) -> int:
@@ -79,8 +90,7 @@ async def test_claim_decodes_airflow_rows_of_my_queues_only(served: str) -> None
     mine = await defer(served, "mine", "team-a")
     other = await defer(served, "other", "team-b")
     no_queue = await defer(served, "no_queue", None)
-    store = await AirflowStore.connect(served)
-    try:
+    async with opened(served) as store:
         me = await store.register(ProcessKind.CONSUMER, "h", 1, ["team-a"], 100, "t", 30)
         result = await store.claim(me, [mine, other, no_queue], ["team-a"])
         assert [s.id for s in result.claimed] == [mine]
@@ -91,17 +101,12 @@ async def test_claim_decodes_airflow_rows_of_my_queues_only(served: str) -> None
         # Held by a live owner: nobody (not even I) claims it again.
         peer = await store.register(ProcessKind.CONSUMER, "h", 2, ["team-a"], 100, "t", 30)
         assert (await store.claim(peer, [mine], ["team-a"])).claimed == []
-    finally:
-        await store.close()
 
     # Rows without a queue are served only when a default queue is configured.
-    store = await AirflowStore.connect(served, default_queue="fallback")
-    try:
+    async with opened(served, default_queue="fallback") as store:
         me = await store.register(ProcessKind.CONSUMER, "h", 3, ["fallback"], 100, "t", 30)
         claimed = (await store.claim(me, [no_queue, other], ["fallback"])).claimed
         assert [(s.id, s.queue) for s in claimed] == [(no_queue, "fallback")]
-    finally:
-        await store.close()
 
 
 async def test_a_claim_holds_only_deferrals_younger_than_the_resume_delay(served: str) -> None:
@@ -112,16 +117,13 @@ async def test_a_claim_holds_only_deferrals_younger_than_the_resume_delay(served
     old = await defer(served, "old", "team-a")
     await af.scalar(served, """UPDATE "trigger" SET created_date = now() - interval '1 minute'
                                WHERE id = $1""", old)
-    store = await AirflowStore.connect(served, resume_delay=20.0)
-    try:
+    async with opened(served, resume_delay=20.0) as store:
         me = await store.register(ProcessKind.CONSUMER, "h", 1, ["team-a"], 100, "t", 30)
         before = time.time()
         specs = {s.id: s for s in (await store.claim(me, [young, old], ["team-a"])).claimed}
         assert specs[old].not_before is None
         held = specs[young].not_before
         assert held is not None and before + 15 < held <= time.time() + 20
-    finally:
-        await store.close()
 
 
 async def test_kwargs_under_another_key_are_unreadable_here_not_invalid(served: str) -> None:
@@ -134,22 +136,18 @@ async def test_kwargs_under_another_key_are_unreadable_here_not_invalid(served: 
                                               queue="team-a")).trigger_id
     finally:
         await conn.close()
-    store = await AirflowStore.connect(served)
-    try:
+    async with opened(served) as store:
         me = await store.register(ProcessKind.CONSUMER, "h", 1, ["team-a"], 100, "t", 30)
         [spec] = (await store.claim(me, [trigger_id], ["team-a"])).claimed
         assert spec.kwargs is None
         assert spec.kwargs_error is not None
         assert spec.kwargs_error.problem is KwargsProblem.UNREADABLE_HERE
-    finally:
-        await store.close()
 
 
 @pytest.mark.serial  # timing bound (applied within 5 s): runs alone, after the parallel part
 async def test_dead_owner_is_reaped_and_its_stale_events_change_nothing(served: str) -> None:
     trigger_id = await defer(served, "t1", "team-a")
-    store = await AirflowStore.connect(served)
-    try:
+    async with opened(served) as store:
         first = await store.register(ProcessKind.CONSUMER, "h", 1, ["team-a"], 100, "t", 2.0)
         assert [s.attempt for s in (await store.claim(first, [trigger_id], ["team-a"])).claimed] == [1]
         renewal = await store.renew(first, 2.0, 1, ["team-a"])
@@ -186,16 +184,13 @@ async def test_dead_owner_is_reaped_and_its_stale_events_change_nothing(served: 
         await wait_until(lambda: af.scalar(served, 'SELECT count(*) = 0 FROM "trigger"'), 10,
                          message="the applied trigger's row deleted after the batch")
         assert await af.scalar(served, "SELECT count(*) FROM triggerflow.trigger_state") == 0
-    finally:
-        await store.close()
 
 
 async def test_backstop_resends_rows_never_published_and_skips_published(served: str) -> None:
     unseen = await defer(served, "unseen", "team-a")
     published = await defer(served, "published", "team-a")
     no_queue = await defer(served, "no_queue", None)
-    store = await AirflowStore.connect(served)
-    try:
+    async with opened(served) as store:
         await store.mark_published([published])
         assert await store.resend_unclaimed(None, grace=0.5, limit=100) == []  # within grace
         await asyncio.sleep(0.7)
@@ -205,14 +200,11 @@ async def test_backstop_resends_rows_never_published_and_skips_published(served:
                                                                  (published, "team-a")])
         assert await store.resend_unclaimed(None, grace=0.5, limit=100) == []  # marked now
         assert no_queue not in [r.id for r in refs]  # no default queue: Airflow's triggerer's
-    finally:
-        await store.close()
 
 
 async def test_sweep_and_clean_unused_after_a_task_is_marked_in_airflow(served: str) -> None:
     trigger_id = await defer(served, "cleared", "team-a")
-    store = await AirflowStore.connect(served)
-    try:
+    async with opened(served) as store:
         me = await store.register(ProcessKind.CONSUMER, "h", 1, ["team-a"], 100, "t", 30)
         await store.claim(me, [trigger_id], ["team-a"])
         assert await store.sweep_cancelled(me) == []
@@ -225,8 +217,6 @@ async def test_sweep_and_clean_unused_after_a_task_is_marked_in_airflow(served: 
             served, "SELECT trigger_id FROM task_instance WHERE task_id = 'cleared'") is None
         # ... and the consumer's sweep still finds the trigger it runs (issue 18: it did not).
         assert await store.sweep_cancelled(me) == [trigger_id]
-    finally:
-        await store.close()
 
 
 async def test_cancel_log_records_airflow_moves_not_triggerflows_and_notifies(
@@ -286,8 +276,7 @@ async def test_a_burst_of_10000_events_is_two_statements(served: str) -> None:
     """Timing is printed, not asserted (benchmarks measure; tests check behaviour)."""
     n = 10_000
     ids = await deferred_burst(served, n)
-    store = await AirflowStore.connect(served)
-    try:
+    async with opened(served) as store:
         me = await store.register(ProcessKind.CONSUMER, "h", 1, ["team-a"], n, "t", 30)
         started = time.perf_counter()
         claimed = (await store.claim(me, ids, ["team-a"])).claimed
@@ -313,8 +302,6 @@ async def test_a_burst_of_10000_events_is_two_statements(served: str) -> None:
         assert await af.scalar(
             served, "SELECT count(*) FROM task_instance WHERE state = 'scheduled'") == n
         assert await af.scalar(served, 'SELECT count(*) FROM "trigger"') == 0
-    finally:
-        await store.close()
 
 
 def _removed_by_join_filters(plan: dict[str, Any]) -> int:
@@ -340,8 +327,7 @@ async def test_apply_plan_survives_statistics_of_emptied_trigger_tables(served: 
     APPLY's joins rescanned the batch once per row (n x n comparisons; 33-38 s for 5,000
     events in ``bench airflow``). Now each event finds its rows by index lookups."""
     n = 1000
-    store = await AirflowStore.connect(served)
-    try:
+    async with opened(served) as store:
         me = await store.register(ProcessKind.CONSUMER, "h", 1, ["team-a"], 2 * n, "t", 30)
         conn = await asyncpg.connect(served)
         try:
@@ -362,8 +348,6 @@ async def test_apply_plan_survives_statistics_of_emptied_trigger_tables(served: 
         finally:
             await conn.close()
         assert len(await store.apply_events(events)) == n
-    finally:
-        await store.close()
 
 
 def _rows_read(plan: dict[str, Any]) -> int:
@@ -396,8 +380,7 @@ async def test_claim_and_held_plans_survive_statistics_of_emptied_trigger_tables
     from triggerflow.airflow.statements.writer import HELD_ELSEWHERE
 
     n = 1000
-    store = await AirflowStore.connect(served)
-    try:
+    async with opened(served) as store:
         me = await store.register(ProcessKind.CONSUMER, "h", 1, ["team-a"], 2 * n, "t", 30)
         conn = await asyncpg.connect(served)
         try:
@@ -412,8 +395,6 @@ async def test_claim_and_held_plans_survive_statistics_of_emptied_trigger_tables
               f"{held['Execution Time']:.1f} ms")
         assert _rows_read(claim["Plan"]) < 30 * n
         assert _rows_read(held["Plan"]) < 30 * n
-    finally:
-        await store.close()
 
 
 async def test_listener_reconnects_and_the_backstop_finds_what_it_missed(served: str) -> None:
@@ -451,8 +432,7 @@ async def test_listener_reconnects_and_the_backstop_finds_what_it_missed(served:
 
 async def test_release_refusal_and_probation_on_airflow_rows(served: str) -> None:
     trigger_id = await defer(served, "t", "team-a")
-    store = await AirflowStore.connect(served)
-    try:
+    async with opened(served) as store:
         me = await store.register(ProcessKind.CONSUMER, "h", 1, ["team-a"], 100, "t", 30)
         peer = await store.register(ProcessKind.CONSUMER, "h", 2, ["team-a"], 100, "t", 30)
         await store.claim(me, [trigger_id], ["team-a"])
@@ -475,5 +455,3 @@ async def test_release_refusal_and_probation_on_airflow_rows(served: str) -> Non
         assert await af.scalar(served, "SELECT failures FROM triggerflow.trigger_state") == 0
         await store.unregister(peer)
         assert await af.scalar(served, "SELECT owner_id FROM triggerflow.trigger_state") is None
-    finally:
-        await store.close()

@@ -56,15 +56,19 @@ def test_bench_quick_prints_tables(tmp_path: Path, pg_server: str, amqp_server: 
     assert data["defer"]["single"]["n"] > 0
 
 
-def test_bench_quick_reference_held_periodic(tmp_path: Path, pg_server: str,
-                                             amqp_server: str) -> None:
-    out, data = _run_quick(tmp_path, pg_server, amqp_server, ["reference", "held", "periodic"])
+def test_bench_quick_reference_held_fire_periodic(tmp_path: Path, pg_server: str,
+                                                  amqp_server: str) -> None:
+    out, data = _run_quick(tmp_path, pg_server, amqp_server,
+                           ["reference", "held", "fire", "periodic"])
     for title in ("Reference: the bare burst path", "also holding 500 waiting timers",
-                  "Periodic database work", "Idle consumers, one queue each"):
+                  "Fire path alone: 200 timers due", "Periodic database work",
+                  "Idle consumers, one queue each"):
         assert title in out, out[-4000:]
     assert data["reference"]["sizes"]["200"]["runs"][0]["applied"] == 200
     held = data["held"]["sizes"]["200"]
     assert held["runs"][0]["applied"] == 200 and held["runs"][0]["held"] == 500
+    fire = data["fire"]
+    assert (fire["due"], len(fire["runs"])) == (200, 5) and fire["all_fired"] > 0
     assert [r["held"] for r in data["periodic"]["held"]] == [200, 1_000]
     assert all(r["stmts_per_s"]["consumer"] > 0 for r in data["periodic"]["held"])
     assert data["periodic"]["idle"][0]["stmts_per_s_per_process"] > 0

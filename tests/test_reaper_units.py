@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from tests.conftest import Counted
 from triggerflow.consumer.probation import Probation
 from triggerflow.reaper import Reaper
 from triggerflow.settings import Settings
@@ -68,20 +69,6 @@ class Room:
     def take_locally(self, queue: str, ids: list[int]) -> list[int]:
         self.offered.append((queue, ids))
         return ids[self.room:]
-
-
-class Counted:
-    """Stands in for the metrics: every ``<counter>.add(n, labels)`` the reaper makes."""
-
-    def __init__(self) -> None:
-        self.adds: list[tuple[str, int, dict[str, str] | None]] = []
-
-    def __getattr__(self, counter: str) -> Any:
-        class Counter:
-            @staticmethod
-            def add(n: int, labels: dict[str, str] | None = None) -> None:
-                self.adds.append((counter, n, labels))
-        return Counter()
 
 
 @pytest.fixture

@@ -143,6 +143,10 @@ class Metrics:
             "triggerflow.reaper.timed_out",
             description="Deferred tasks timed out by the reaper (no trigger ran), by queue"
         )
+        self.watcher_restarts = m.create_counter(
+            "triggerflow.airflow.watcher_restarts",
+            description="Airflow asset-watcher triggers started again, by reason",
+        )
         self.unconsumed = m.create_counter(
             "triggerflow.queues.unconsumed",
             description="Reaper sweeps that found a queue with no live consumer",

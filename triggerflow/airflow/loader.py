@@ -167,7 +167,8 @@ class AirflowLoader(AllowedClasses):
     def build(self, spec: TriggerSpec) -> BaseTrigger:
         trigger = self.instantiate(spec)
         if spec.task is None:  # an asset watcher's or a callback's row: no task to resume
-            return watcher(self, spec, trigger)
+            return watcher(self, spec, trigger,
+                           task_context.watched_assets if self.with_task else None)
         # A timer keeps only its deadline; the Airflow object is dropped here. One that would
         # fire within the scheduler race's hold runs as itself instead, held (rare: only
         # deferrals younger than the hold, whose timer is due within it).

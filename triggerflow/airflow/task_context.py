@@ -86,6 +86,16 @@ def attach(trigger: Any, work: RunTrigger) -> Any:
     return context
 
 
+def watched_assets(trigger_id: int) -> dict[str, str] | None:
+    """The assets a watcher row watches (name to URI), as Airflow's supervisor puts them in the
+    row's ``RunTrigger`` (``watched_assets``); None for a row that watches none (a callback's)."""
+    with create_session() as session:
+        row = session.get(Trigger, trigger_id)
+        if row is None or not row.assets:
+            return None
+        return {asset.name: asset.uri for asset in row.assets}
+
+
 def render(trigger: Any, context: Any) -> None:
     """``run_trigger``'s first step: templated fields rendered in place before ``run()``."""
     if context is not None:

@@ -48,6 +48,7 @@ from triggerflow.airflow.persisted import PENDING, wire_body
 from triggerflow.airflow.runtime import CURRENT_TRIGGER
 from triggerflow.loader import AllowedClasses
 from triggerflow.store.interface import TriggerSpec
+from triggerflow.telemetry import get_metrics
 from triggerflow.triggers.base import BaseTrigger, TriggerEvent
 
 log = logging.getLogger(__name__)
@@ -117,11 +118,15 @@ class WatcherCoroutine(BaseTrigger):
 
     keeps_running = True
 
-    def __init__(self, build: Callable[[], Any], restart_delay: float | None = RESTART_DELAY
-                 ) -> None:
+    def __init__(self, build: Callable[[], Any], restart_delay: float | None = RESTART_DELAY,
+                 assets_of: Callable[[int], dict[str, str] | None] | None = None) -> None:
         self.build = build  # a fresh Airflow trigger object from the row, as Airflow builds it
         self.restart_delay = restart_delay  # None: run once (a callback's trigger)
         self.current: Any = None
+        # The row's watched assets (name to URI) read from Airflow's database, for the
+        # trigger's asset_state_store; None until read (a failed read is tried on restart).
+        self.assets_of = assets_of
+        self.assets: dict[str, str] | None = None
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         trigger = self.current
@@ -130,13 +135,23 @@ class WatcherCoroutine(BaseTrigger):
         classpath, kwargs = trigger.serialize()
         return str(classpath), dict(kwargs)
 
-    async def run(self) -> AsyncIterator[TriggerEvent]:
+    async def _stepping(self) -> None:
+        """Each step of this generator after an event runs in a new task of the runner's
+        (``TriggerRunner._next_event``), with the runner's context: the trigger's identity
+        (``CURRENT_TRIGGER``, the runtime's per-trigger bound) and the greenback portal (sync
+        SDK calls from ``run()``: ``Variable.get``, ``asset_state_store.set``) are set again
+        in it. Without this a watcher's sync call after its first event raised Airflow's
+        "Sync SDK methods ... cannot be called" (found by tests/test_airflow_assets.py)."""
         CURRENT_TRIGGER.set(self.trigger_id)
         if os.environ.get("AIRFLOW_DISABLE_GREENBACK_PORTAL", "").lower() != "true":
             await greenback.ensure_portal()
+
+    async def run(self) -> AsyncIterator[TriggerEvent]:
+        await self._stepping()
         while True:
             self.current = trigger = self.build()
             trigger.trigger_id = self.trigger_id
+            await self._give_asset_state_store(trigger)
             events = 0
             key = shared_key(trigger)
             acked = key is not None and ack_mode(type(trigger))
@@ -144,6 +159,7 @@ class WatcherCoroutine(BaseTrigger):
                 continue
             agen = trigger.run() if key is None else trigger.filter_shared_stream(
                 shared_streams().subscribe(trigger_id=self.trigger_id, trigger=trigger, key=key))
+            reason = "ended"
             try:
                 async for event in agen:
                     events += 1
@@ -151,10 +167,12 @@ class WatcherCoroutine(BaseTrigger):
                     if acked:  # bound before the event leaves, no await in between
                         self._bind(key, body)
                     yield WatcherEvent(body)
+                    await self._stepping()
                 log.info("trigger %s (ID %s) ended after %d event(s)",
                          type(trigger).__qualname__, self.trigger_id, events)
             except Exception:
                 # Airflow: logged, submit_failure (no task to fail), then started again.
+                reason = "raised"
                 log.exception("trigger %s (ID %s) raised; starting it again",
                               type(trigger).__qualname__, self.trigger_id)
             finally:
@@ -162,7 +180,36 @@ class WatcherCoroutine(BaseTrigger):
                 await self._stopped(trigger, key, acked)
             if self.restart_delay is None:
                 return
+            self._restarting(trigger, reason)
             await asyncio.sleep(self.restart_delay)
+
+    @staticmethod
+    def _restarting(trigger: Any, reason: str) -> None:
+        get_metrics().watcher_restarts.add(1, {"trigger_class": type(trigger).__qualname__,
+                                               "reason": reason})
+
+    async def _give_asset_state_store(self, trigger: Any) -> None:
+        """``asset_state_store`` for the assets the row watches, as Airflow's runner sets it on
+        an event trigger (``TriggerRunner.create_triggers``); its calls are runtime requests."""
+        from airflow.triggers.base import BaseEventTrigger
+
+        if self.assets_of is None or not isinstance(trigger, BaseEventTrigger):
+            return
+        if self.assets is None:
+            try:
+                self.assets = await asyncio.to_thread(self.assets_of, int(self.trigger_id or 0)
+                                                      ) or {}
+            except Exception as exc:  # runs without one; read again when started again
+                log.warning("trigger %s (ID %s): its watched assets not read (%r); no "
+                            "asset_state_store this run", type(trigger).__qualname__,
+                            self.trigger_id, exc)
+                return
+        if self.assets:
+            from airflow.sdk.definitions.asset import Asset
+            from airflow.sdk.execution_time.context import AssetStateStoreAccessors
+
+            trigger.asset_state_store = AssetStateStoreAccessors(
+                inlets=[Asset(name=name, uri=uri) for name, uri in self.assets.items()])
 
     async def _listening(self, trigger: Any) -> bool:
         """LISTEN for the writer's commits before an ack-mode stream's first event (its
@@ -174,6 +221,7 @@ class WatcherCoroutine(BaseTrigger):
         except Exception:
             log.exception("trigger %s (ID %s): cannot LISTEN for its events' commits; "
                           "starting it again", type(trigger).__qualname__, self.trigger_id)
+            self._restarting(trigger, "listen_failed")
             self.current = None
             await asyncio.sleep(self.restart_delay or RESTART_DELAY)
             return False
@@ -215,10 +263,12 @@ class WatcherCoroutine(BaseTrigger):
         return None
 
 
-def watcher(loader: AllowedClasses, spec: TriggerSpec, first: Any) -> WatcherCoroutine:
+def watcher(loader: AllowedClasses, spec: TriggerSpec, first: Any,
+            assets_of: Callable[[int], dict[str, str] | None] | None = None) -> WatcherCoroutine:
     """``first`` (built by the loader, so a bad row fails as any other) runs first; each
     restart builds a new object from the row's kwargs, as Airflow's triggerer does (a copy:
-    a trigger may change what it was given, as ``CallbackTrigger`` pops ``context``)."""
+    a trigger may change what it was given, as ``CallbackTrigger`` pops ``context``).
+    ``assets_of`` reads the row's watched assets (``consume --airflow``)."""
     pristine = copy.deepcopy(spec.kwargs or {})
     built = [first]
 
@@ -227,4 +277,5 @@ def watcher(loader: AllowedClasses, spec: TriggerSpec, first: Any) -> WatcherCor
             return built.pop()
         return loader.resolve(spec.classpath)(**copy.deepcopy(pristine))
 
-    return WatcherCoroutine(build, None if spec.classpath == CALLBACK_TRIGGER else RESTART_DELAY)
+    return WatcherCoroutine(build, None if spec.classpath == CALLBACK_TRIGGER else RESTART_DELAY,
+                            assets_of)
