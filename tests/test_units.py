@@ -78,6 +78,34 @@ def test_events_are_cut_into_messages_by_their_size_bound() -> None:
     assert split_by_size(ev, 2 * bound - 1) == [[e] for e in ev]
     assert split_by_size(ev[:1], 10) == [ev[:1]]  # one too big still goes, alone
     assert split_by_size([], 10) == [[]]
+    # the whole list's bound decides a single part at once: exactly at the cap, one message
+    assert split_by_size(ev, 4 * bound) == [ev]
+    assert split_by_size(ev, 4 * bound - 1) == [ev[:3], ev[3:]]
+
+
+async def test_many_events_go_out_in_messages_of_event_batch() -> None:
+    """``EventSink.add_many`` (a burst's group at once) publishes as ``add`` one by one
+    would: full messages of ``event_batch`` as the buffer fills, the rest after the linger."""
+    from triggerflow.emitter import EventSink
+
+    published: list[list[int]] = []
+
+    class Transport:
+        async def publish_events(self, queue: str, events: list[Event]) -> None:
+            published.append([e.trigger_id for e in events])
+
+    sink = EventSink(Transport(), Settings(event_batch=3, event_linger=timedelta(seconds=0.05)))  # type: ignore[arg-type]
+    ev = [Event(i, 1, "q", "resume", "{}", 0.0) for i in range(9)]
+    sink.add(ev[0])
+    sink.add_many(ev[1:8])  # fills the first message, one more, and leaves 2 for the linger
+    await asyncio.sleep(0)
+    assert published == [[0, 1, 2], [3, 4, 5]]
+    await sink.drain(1.0)
+    assert published == [[0, 1, 2], [3, 4, 5], [6, 7]]
+    sink.add_many(ev[8:])
+    sink.add_many([])
+    await sink.drain(1.0)
+    assert published[-1] == [8] and sink.pending == 0
 
 
 def test_wire_bounds_hold_at_the_bound_and_reasons_name_what_broke() -> None:

@@ -63,12 +63,15 @@ class Outcomes:
                 kind, fallback = self.encode(kind, fallback)
             text = validate_payload(fallback, 1 << 20)
         fired = time.time()
-        traced = tracing_enabled()
-        add = self.sink.add
         name = str(kind)
-        for held in helds:
-            traceparent = self._fire_span(held, kind) if traced and held.traceparent else None
-            add(Event(held.id, held.attempt, held.queue, name, text, fired, traceparent))
+        if tracing_enabled():
+            self.sink.add_many([
+                Event(held.id, held.attempt, held.queue, name, text, fired,
+                      self._fire_span(held, kind) if held.traceparent else None)
+                for held in helds])
+        else:
+            self.sink.add_many([Event(held.id, held.attempt, held.queue, name, text, fired)
+                                for held in helds])
         if kind == EventKind.FAIL:
             if reason is None and isinstance(payload, dict):
                 reason = payload.get("error")
