@@ -44,3 +44,48 @@ async def test_every_step_of_a_watcher_has_its_portal_and_its_identity() -> None
     runner.cancel([7])
     await runner.wait_cleanups()
     assert seen == [(True, 7)] * 3
+
+
+async def test_each_start_gets_the_asset_state_store_of_the_assets_watched_then() -> None:
+    """As Airflow's runner: an event trigger of a watcher row is given ``asset_state_store``
+    over the row's watched assets, read at each start (a DAG may change them between two);
+    a read that fails leaves that run without one, logged, and the next start reads again."""
+    from airflow.triggers.base import BaseEventTrigger, TriggerEvent
+
+    from triggerflow.airflow.watchers import WatcherCoroutine
+
+    reads: list[int] = []
+    answers: list[Any] = [{"orders": "s3://b/orders"}, RuntimeError("database down"),
+                          {"orders": "s3://b/orders", "refunds": "s3://b/refunds"}]
+
+    def assets_of(trigger_id: int) -> dict[str, str] | None:
+        reads.append(trigger_id)
+        answer = answers[min(len(reads), len(answers)) - 1]
+        if isinstance(answer, Exception):
+            raise answer
+        return dict(answer)
+
+    given: list[str] = []
+
+    class OneShot(BaseEventTrigger):
+        def serialize(self) -> tuple[str, dict[str, Any]]:
+            return "tests.OneShot", {}
+
+        async def run(self) -> AsyncIterator[TriggerEvent]:
+            given.append(repr(self.asset_state_store))
+            yield TriggerEvent(len(given))
+
+    events: list[int] = []
+    runner = TriggerRunner(lambda held, kind, payload: events.append(held.id))
+    runner.start(Held(5, 1, "q", "c", None, None, None),
+                 WatcherCoroutine(OneShot, restart_delay=0.01, assets_of=assets_of))
+    await wait_until(lambda: asyncio.sleep(0, len(events) >= 3), 5, interval=0.01,
+                     message="three starts")
+    runner.cancel([5])
+    await runner.wait_cleanups()
+    assert reads[:3] == [5, 5, 5]
+    assert given[:3] == [
+        "<AssetStateStoreAccessors [name='orders']>",
+        "None",
+        "<AssetStateStoreAccessors [name='orders', name='refunds']>",
+    ]

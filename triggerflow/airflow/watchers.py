@@ -123,10 +123,9 @@ class WatcherCoroutine(BaseTrigger):
         self.build = build  # a fresh Airflow trigger object from the row, as Airflow builds it
         self.restart_delay = restart_delay  # None: run once (a callback's trigger)
         self.current: Any = None
-        # The row's watched assets (name to URI) read from Airflow's database, for the
-        # trigger's asset_state_store; None until read (a failed read is tried on restart).
+        # Reads the row's watched assets (name to URI) from Airflow's database, for the
+        # trigger's asset_state_store (``consume --airflow``; None: not given one).
         self.assets_of = assets_of
-        self.assets: dict[str, str] | None = None
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         trigger = self.current
@@ -189,27 +188,27 @@ class WatcherCoroutine(BaseTrigger):
                                                "reason": reason})
 
     async def _give_asset_state_store(self, trigger: Any) -> None:
-        """``asset_state_store`` for the assets the row watches, as Airflow's runner sets it on
-        an event trigger (``TriggerRunner.create_triggers``); its calls are runtime requests."""
+        """``asset_state_store`` for the assets the row watches now, as Airflow's runner sets
+        it on an event trigger (``TriggerRunner.create_triggers``, from the workload its
+        supervisor builds for each start): read again at each start, so a DAG that changed the
+        watcher's assets is followed. Its calls are runtime requests."""
         from airflow.triggers.base import BaseEventTrigger
 
         if self.assets_of is None or not isinstance(trigger, BaseEventTrigger):
             return
-        if self.assets is None:
-            try:
-                self.assets = await asyncio.to_thread(self.assets_of, int(self.trigger_id or 0)
-                                                      ) or {}
-            except Exception as exc:  # runs without one; read again when started again
-                log.warning("trigger %s (ID %s): its watched assets not read (%r); no "
-                            "asset_state_store this run", type(trigger).__qualname__,
-                            self.trigger_id, exc)
-                return
-        if self.assets:
+        try:
+            assets = await asyncio.to_thread(self.assets_of, int(self.trigger_id or 0))
+        except Exception as exc:  # runs without one (as a row that watches none); next start reads again
+            log.warning("trigger %s (ID %s): its watched assets not read (%r); no "
+                        "asset_state_store this run", type(trigger).__qualname__,
+                        self.trigger_id, exc)
+            return
+        if assets:
             from airflow.sdk.definitions.asset import Asset
             from airflow.sdk.execution_time.context import AssetStateStoreAccessors
 
             trigger.asset_state_store = AssetStateStoreAccessors(
-                inlets=[Asset(name=name, uri=uri) for name, uri in self.assets.items()])
+                inlets=[Asset(name=name, uri=uri) for name, uri in assets.items()])
 
     async def _listening(self, trigger: Any) -> bool:
         """LISTEN for the writer's commits before an ack-mode stream's first event (its
