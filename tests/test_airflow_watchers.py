@@ -1,5 +1,5 @@
 """A watcher row's trigger (``triggerflow/airflow/watchers.py``) in the consumer's runner: what
-trigger code may rely on at every step, not only before its first event."""
+trigger code may rely on at every step and every start, not only the first."""
 
 from __future__ import annotations
 
