@@ -371,6 +371,10 @@ async def test_status_json_flags_a_queue_without_consumer_then_passes(
                              for i in range(3)])
     await wait_until(lambda: db.fetchval(
         "SELECT count(*) = 2 FROM trigger WHERE owner_id = $1", first_id), 15)
+    # status reads what the consumer's renewals wrote (running, subscribed on the broker): a
+    # claim can land before the first renewal after subscribing (a CI run read 0 consumers)
+    await wait_until(lambda: db.fetchval(
+        "SELECT running = 2 AND subscribed FROM consumer WHERE id = $1", first_id), 10)
 
     out = await cli(settings, "status", "--json")
     assert out.returncode == 3, out.stdout + out.stderr
@@ -390,7 +394,7 @@ async def test_status_json_flags_a_queue_without_consumer_then_passes(
     await wait_until(lambda: db.fetchval(
         "SELECT count(*) = 3 FROM trigger WHERE owner_id = $1", second_id), 15)
     await wait_until(lambda: db.fetchval(
-        "SELECT running = 3 FROM consumer WHERE id = $1", second_id), 10)
+        "SELECT running = 3 AND subscribed FROM consumer WHERE id = $1", second_id), 10)
     out = await cli(settings, "status", "--json")
     assert out.returncode == 0, out.stdout
     report = json.loads(out.stdout)
