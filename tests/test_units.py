@@ -84,8 +84,8 @@ def test_events_are_cut_into_messages_by_their_size_bound() -> None:
 
 
 async def test_many_events_go_out_in_messages_of_event_batch() -> None:
-    """``EventSink.add_many`` (a burst's group at once) publishes as ``add`` one by one
-    would: full messages of ``event_batch`` as the buffer fills, the rest after the linger."""
+    """``EventSink.add_many`` (a burst's group at once, or one event) publishes full
+    messages of ``event_batch`` as the buffer fills, the rest after the linger."""
     from triggerflow.emitter import EventSink
 
     published: list[list[int]] = []
@@ -96,7 +96,7 @@ async def test_many_events_go_out_in_messages_of_event_batch() -> None:
 
     sink = EventSink(Transport(), Settings(event_batch=3, event_linger=timedelta(seconds=0.05)))  # type: ignore[arg-type]
     ev = [Event(i, 1, "q", "resume", "{}", 0.0) for i in range(9)]
-    sink.add(ev[0])
+    sink.add_many(ev[:1])
     sink.add_many(ev[1:8])  # fills the first message, one more, and leaves 2 for the linger
     await asyncio.sleep(0)
     assert published == [[0, 1, 2], [3, 4, 5]]

@@ -37,16 +37,9 @@ class EventSink:
         self._inflight = Background()  # publishes in flight
         self._retry = asyncio.Event()
 
-    def add(self, event: Event) -> None:
-        self._buffer.append(event)
-        if len(self._buffer) >= self.batch:
-            self.flush()
-        elif self._flush_handle is None:
-            self._flush_handle = asyncio.get_running_loop().call_later(self.linger, self.flush)
-
     def add_many(self, events: list[Event]) -> None:
-        """``add`` of each, in order, without a call per event: messages still go out
-        ``event_batch`` events at a time as the buffer fills."""
+        """Queue ``events`` in order (a burst's group at once, not a call per event): full
+        messages of ``event_batch`` go out as the buffer fills, the rest after ``linger``."""
         start = 0
         while start < len(events):
             if len(self._buffer) >= self.batch:  # full (a failed publish puts events back)
