@@ -397,6 +397,43 @@ async def test_claim_and_held_plans_survive_statistics_of_emptied_trigger_tables
         assert _rows_read(held["Plan"]) < 30 * n
 
 
+async def test_apply_plans_survive_statistics_that_undercount_task_instance(served: str) -> None:
+    """Statistics taken while task_instance was nearly empty (a new deployment, or right
+    after ``airflow db clean``) undercount it once history grows back. The batch's APPLY and
+    CLEAN_UNUSED then still find its rows by index lookups: the detach step's plain
+    ``trigger_id = ANY($1)`` read the whole table once per batch (201,000 rows here)."""
+    from triggerflow.airflow.events import CLEAN_UNUSED
+
+    n = 1000
+    async with opened(served) as store:
+        me = await store.register(ProcessKind.CONSUMER, "h", 1, ["team-a"], n, "t", 30)
+        conn = await asyncpg.connect(served)
+        try:
+            await conn.execute("ANALYZE task_instance")  # one DAG run, no task yet
+            await conn.execute(
+                """INSERT INTO task_instance (id, task_id, dag_id, run_id, map_index,
+                       try_number, max_tries, pool, pool_slots, queue, priority_weight, state)
+                   SELECT gen_random_uuid(), 'history', 'tf_golden', 'manual__golden', g, 1, 0,
+                          'default_pool', 1, 'team-a', 1, 'success'
+                   FROM generate_series(1, 200000) AS g""")
+            ids = await deferred_burst(served, n)
+            assert len((await store.claim(me, ids, ["team-a"])).claimed) == n
+            events = [resume(i, 1, "team-a") for i in ids]
+            columns = ([e.trigger_id for e in events], [e.attempt for e in events],
+                       [e.queue for e in events], [e.kind for e in events],
+                       [e.payload for e in events], [e.fired_at for e in events], None)
+            apply = await _explained(conn, APPLY, *columns)
+            clean = await _explained(conn, CLEAN_UNUSED, ids)
+        finally:
+            await conn.close()
+        print(f"\nrows read for {n} beside 200,000: APPLY {_rows_read(apply['Plan'])} in "
+              f"{apply['Execution Time']:.1f} ms, CLEAN_UNUSED {_rows_read(clean['Plan'])} in "
+              f"{clean['Execution Time']:.1f} ms")
+        assert _rows_read(apply["Plan"]) < 30 * n
+        assert _rows_read(clean["Plan"]) < 30 * n
+        assert len(await store.apply_events(events)) == n
+
+
 async def test_listener_reconnects_and_the_backstop_finds_what_it_missed(served: str) -> None:
     got: asyncio.Queue[tuple[str | None, list[int]]] = asyncio.Queue()
     connections = asyncio.Queue[None]()

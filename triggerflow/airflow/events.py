@@ -125,9 +125,18 @@ WITH event AS (
               live.kind, live.body, extract(epoch FROM clock_timestamp()) - live.fired_at AS latency
 ), detached AS (
     -- Trigger.clean_unused's first step, for this batch's triggers: a task no longer
-    -- deferred (cleared, marked by hand) lets go of its trigger.
+    -- deferred (cleared, marked by hand) lets go of its trigger. Found per trigger id by
+    -- the ti_trigger_id index (the LATERAL's FOR UPDATE keeps it one): as a plain
+    -- `trigger_id = ANY($1)`, statistics that undercount task_instance (taken while it was
+    -- nearly empty, or right after `airflow db clean`) made every batch read the whole table.
     UPDATE task_instance ti SET trigger_id = NULL, updated_at = now()
-    WHERE ti.trigger_id = ANY($1::int[]) AND ti.state <> 'deferred'
+    FROM (SELECT stale.id FROM unnest($1::int[]) AS batch(trigger_id)
+          CROSS JOIN LATERAL (
+              SELECT t.id FROM task_instance t
+              WHERE t.trigger_id = batch.trigger_id AND t.state <> 'deferred'
+              FOR UPDATE
+          ) AS stale) AS let_go
+    WHERE ti.id = let_go.id
 ), called_back AS (
     -- The TaskCallbackRequest Airflow's DatabaseCallbackSink stores for a task ended by its
     -- trigger as success or failed: BaseSerialization's dict wrapping a pydantic JSON text.
