@@ -515,6 +515,30 @@ async def test_wakeups_a_shed_handed_back_go_on_to_peers_for_a_while(mem: InMemo
         assert len(consumer.runner) == 100
 
 
+async def test_a_peer_leaving_ends_the_shed_ceiling_at_once(mem: InMemory) -> None:
+    """The peer a shed handed wake-ups to closes its connection (killed, or stopped): what it
+    had not claimed is claimed here at once, not bounced through the queue until the shed
+    settles (15 s here; no renewal comes meanwhile to say a peer died)."""
+    s = fast_settings(renew_interval=5.0, lease_ttl=15.0, unclaimed_grace=30.0)
+    transport = mem.transport()
+    consumer = Consumer(s, mem.store, transport)
+    peer = mem.transport()  # the peer's broker connection, as presence sees it
+    await peer.connect()
+    assert await peer.watch_presence(lambda name: None)
+    async with running(consumer), mem.client(s) as client:
+        await client.defer_many([_deferral(i) for i in range(100)])
+        await until(lambda: len(consumer.runner) == 100)
+        consumer._maybe_rebalance(live_peers=2, peers_running=100)
+        await until(lambda: bool(transport.published_wakeups))
+        resent = [i for q, part in transport.published_wakeups if q == QUEUE for i in part]
+        await until(lambda: len(transport.published_wakeups) > 2)  # bounced, unclaimed
+        assert len(consumer.runner) == 56 and consumer.admission.ceiling is not None
+        await peer.close()
+        await until(lambda: all(mem.store.triggers[i].attempt == 2 for i in resent), timeout=4.0)
+        assert consumer.admission.ceiling is None
+        assert len(consumer.runner) == 100
+
+
 def test_rebalance_sheds_only_real_excess() -> None:
     assert excess(mine=100, live_peers=1, peers_running=100, max_shed=1000) == 0
     assert excess(mine=60, live_peers=2, peers_running=100, max_shed=1000) == 0  # < 125%

@@ -98,7 +98,10 @@ class Consumer:
         self.reaper = Reaper(store, transport, settings, local=self.admission)
         self._reap_now = asyncio.Event()
         self._settled_at = 0.0  # monotonic: no rebalancing shed before it
-        self.presence = Presence(store, transport, self.lease, self.queues, self._reap_now)
+        # A peer gone: the wake-ups a shed handed it are ours to claim again at once, not
+        # bounced between us and the queue until the shed settles (admission's ceiling).
+        self.presence = Presence(store, transport, self.lease, self.queues, self._reap_now,
+                                 peer_left=self.admission.lift_ceiling)
         self.subscriptions.on_session = self.presence.connected
         self.probation = Probation(self.store, self.lease, self.queues, self.admission,
                                    self.starter.start, settings.probation_seconds.total_seconds())

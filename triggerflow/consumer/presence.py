@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from triggerflow.lease import Lease
 from triggerflow.lifecycle import Background
@@ -31,17 +31,20 @@ class Presence:
     """A consumer's presence: named on its row, and its peers' heard going.
 
     ``reap_now`` is the reaper's wake-up; it is set when a peer of ``queues`` was ended here.
+    ``peer_left`` is called whenever another consumer's connection closes, whether or not
+    its lease was still ours to end (one that unregistered first leaves no lease behind).
     """
 
     def __init__(
         self, store: PresenceStore, transport: Transport, lease: Lease, queues: Sequence[str],
-        reap_now: asyncio.Event,
+        reap_now: asyncio.Event, peer_left: Callable[[], None] = lambda: None,
     ) -> None:
         self.store = store
         self.transport = transport
         self.lease = lease
         self.queues = list(queues)
         self.reap_now = reap_now
+        self.peer_left = peer_left
         self.name: str | None = None  # our connection's presence queue; None: presence off
         self._named_on = 0  # the consumer id whose row names it
         self._checks = Background()
@@ -71,6 +74,7 @@ class Presence:
             log.warning("naming our presence queue failed (%r); retrying at the next renewal", exc)
 
     def _heard(self, name: str) -> None:
+        self.peer_left()
         self._checks.spawn(self._gone(name))
 
     async def _gone(self, name: str) -> None:
