@@ -227,17 +227,3 @@ async def test_a_lost_runtime_process_fails_requests_and_is_started_again(
         await asyncio.sleep(0.1)
     answer = await airflow_runtime.comms.asend(GetVariable(key=VARIABLE))
     assert answer.value == "from the metastore"
-
-
-async def test_the_warm_up_waits_for_an_answer_and_a_dead_runtime_only_delays_it(
-        airflow_runtime: Any, caplog: pytest.LogCaptureFixture) -> None:
-    """``consume --airflow`` claims nothing until its runtime answered one request, so a
-    trigger's first request does not wait seconds for the child; a child that cannot answer
-    is logged and serving goes on (its requests fail as before)."""
-    caplog.set_level(logging.INFO, logger="triggerflow.airflow.runtime")
-    await airflow_runtime.warm_up()
-    assert "Airflow runtime answering" in caplog.text
-    airflow_runtime.process.kill()
-    await airflow_runtime.process.wait()
-    await airflow_runtime.warm_up()  # returns: the warm-up never stops the consumer
-    assert "did not answer its warm-up (RuntimeUnavailable(" in caplog.text

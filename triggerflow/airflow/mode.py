@@ -148,11 +148,9 @@ class AirflowMode:
         from triggerflow.airflow.watchers import shared_streams
 
         dsn = self.settings.database_dsn()
+        await asyncio.to_thread(task_context.prepare_orm)  # before any trigger's thread
         async with runtime.serving() as served, \
                 PENDING.serving(dsn, lambda seqs: shared_streams().confirm_persisted(seqs)):
-            # Both take seconds: the ORM set up before any trigger's thread, and the runtime
-            # answering before anything is claimed.
-            await asyncio.gather(asyncio.to_thread(task_context.prepare_orm), served.warm_up())
             # After the runtime: its secrets masker is on before any line is captured.
             with trigger_logs.writing(dsn):
                 yield served

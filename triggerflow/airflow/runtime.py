@@ -13,10 +13,7 @@ things are added:
   is the ``CURRENT_TRIGGER`` context variable, inherited by its tasks and by
   ``sync_to_async`` threads), so one that floods waits behind itself, not others;
 - a lost runtime process fails the requests in flight with ``RuntimeUnavailable`` (not a
-  cancellation the trigger would take for its own) and is started again;
-- a warm-up: the consumer claims nothing until the child has answered one request
-  (``RuntimeProcess.warm_up``; Airflow imported, its in-process API built, a database
-  connection open: 5.4 s on this machine), so a trigger's first request does not wait for it.
+  cancellation the trigger would take for its own) and is started again.
 
 Secrets Airflow masks (connection passwords and extras, variables, ``mask_secret``) are
 masked in the consumer's own log output too (``mask_logs``).
@@ -30,7 +27,6 @@ import logging
 import os
 import socket
 import sys
-import time
 from collections import Counter
 from collections.abc import AsyncIterator
 from contextvars import ContextVar
@@ -39,7 +35,6 @@ from typing import Any
 from airflow.jobs.triggerer_job_runner import TriggerCommsDecoder
 from airflow.sdk._shared.secrets_masker import SecretsMasker, _secrets_masker
 from airflow.sdk.execution_time import task_runner
-from airflow.sdk.execution_time.comms import GetDRCount
 
 from triggerflow.errors import TriggerflowError
 from triggerflow.lifecycle import Tasks
@@ -48,9 +43,6 @@ log = logging.getLogger(__name__)
 
 REQUESTS_PER_TRIGGER = 1
 RESTART_DELAY = 1.0  # seconds before a lost runtime process is started again
-WARM_UP_TIMEOUT = 60.0  # seconds the consumer waits for its runtime before serving anyway
-# The warm-up's request: a count on the database alone (no secrets backend is asked).
-WARM_UP = GetDRCount(dag_id="__triggerflow_warm_up__")
 CURRENT_TRIGGER: ContextVar[int | None] = ContextVar("triggerflow_airflow_trigger", default=None)
 
 
@@ -141,19 +133,6 @@ class RuntimeProcess:
         # The trigger runner installs its TriggerCommsDecoder here too (typed for the task runner).
         task_runner.SUPERVISOR_COMMS = self.comms  # type: ignore[assignment]
 
-    async def warm_up(self) -> None:
-        """Wait until the child answers a request, at most ``WARM_UP_TIMEOUT``; a child that
-        fails or is slow only delays the requests, as before."""
-        assert self.comms is not None
-        started = time.monotonic()
-        try:
-            await asyncio.wait_for(self.comms.asend(WARM_UP), WARM_UP_TIMEOUT)
-        except Exception as exc:
-            log.warning("Airflow runtime did not answer its warm-up (%r); serving anyway", exc)
-        else:
-            log.info("Airflow runtime answering (%.1f s after it started)",
-                     time.monotonic() - started)
-
     async def stop(self) -> None:
         if self.comms is not None:
             self.comms._async_writer.close()  # EOF: the child finishes what it has and exits
@@ -178,8 +157,7 @@ class RuntimeProcess:
 
 @contextlib.asynccontextmanager
 async def serving() -> AsyncIterator[RuntimeProcess]:
-    """The runtime for the consumer's lifetime: ``SUPERVISOR_COMMS`` installed, logs masked.
-    Entered at once; ``warm_up`` is the caller's to await before claiming."""
+    """The runtime for the consumer's lifetime: ``SUPERVISOR_COMMS`` installed, logs masked."""
     context = os.environ.get("_AIRFLOW_PROCESS_CONTEXT")
     os.environ["_AIRFLOW_PROCESS_CONTEXT"] = "client"  # as Airflow's trigger runner sets it
     mask_logs()
