@@ -202,14 +202,19 @@ def start_runs(stack: AirflowStack, markers: Path, tasks: list[str]) -> Poller:
     run_ids = {dag: stack.trigger_dag(dag) for dag in {CASES[t][0] for t in tasks}}
     poller = Poller(stack, run_ids)
     poller.tasks = {t: poller.tasks[t] for t in tasks}
-    wait_for(
-        "tasks deferred and their triggers running",
-        lambda: all(
-            w.trigger is not None and "run" in steps(markers, t, w.trigger) for t, w in poller.tasks.items()
-        ),
-        stack,
-        seen=lambda: (poller.tasks, sorted(p.name for p in markers.iterdir())),
-    )
+    try:
+        wait_for(
+            "tasks deferred and their triggers running",
+            lambda: all(
+                w.trigger is not None and "run" in steps(markers, t, w.trigger)
+                for t, w in poller.tasks.items()
+            ),
+            stack,
+            seen=lambda: (poller.tasks, sorted(p.name for p in markers.iterdir())),
+        )
+    except BaseException:
+        poller.close()  # left polling, it fails the next test when the stack's database goes
+        raise
     return poller
 
 
