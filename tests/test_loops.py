@@ -14,9 +14,10 @@ import pytest
 from triggerflow.balance import excess, uneven
 from triggerflow.consumer import Consumer
 from triggerflow.model import EventKind, TaskKey, TaskState
+from triggerflow.sdk import TriggerflowClient
 from triggerflow.settings import Settings
 from triggerflow.store import Applied, ClaimResult, ProcessKind, StoreError, StoreUnavailable
-from triggerflow.testing import InMemory, ManualClock, MemoryStore
+from triggerflow.testing import InMemory, ManualClock, MemoryStore, MemoryTransport
 from triggerflow.triggers import DateTimeTrigger, TimeDeltaTrigger
 from triggerflow.wire import EVENT_KINDS, Event, WireError, decode_events, decode_wakeup, encode_events
 from triggerflow.writer import Writer
@@ -494,16 +495,23 @@ async def test_a_shed_waits_for_the_peers_to_count_it_before_another(mem: InMemo
         await until(lambda: len(sheds) == 2)
 
 
+async def _shed_44_of_100(consumer: Consumer, transport: MemoryTransport,
+                          client: TriggerflowClient) -> list[int]:
+    """100 deferred and running here, then a shed to a peer said to hold none: the ids whose
+    wake-ups it handed back through the queue."""
+    await client.defer_many([_deferral(i) for i in range(100)])
+    await until(lambda: len(consumer.runner) == 100)
+    consumer._maybe_rebalance(live_peers=2, peers_running=100)
+    await until(lambda: bool(transport.published_wakeups))
+    return [i for q, part in transport.published_wakeups if q == QUEUE for i in part]
+
+
 async def test_wakeups_a_shed_handed_back_go_on_to_peers_for_a_while(mem: InMemory) -> None:
     s = fast_settings(renew_interval=0.5, unclaimed_grace=30.0)
     transport = mem.transport()
     consumer = Consumer(s, mem.store, transport)
     async with running(consumer), mem.client(s) as client:
-        await client.defer_many([_deferral(i) for i in range(100)])
-        await until(lambda: len(consumer.runner) == 100)
-        consumer._maybe_rebalance(live_peers=2, peers_running=100)
-        await until(lambda: bool(transport.published_wakeups))
-        resent = [i for q, part in transport.published_wakeups if q == QUEUE for i in part]
+        resent = await _shed_44_of_100(consumer, transport, client)
         # Delivered to this same consumer (the only one here), they are not claimed back
         # while the shed settles: passed on again, unclaimed.
         await asyncio.sleep(0.5)
@@ -526,11 +534,7 @@ async def test_a_peer_leaving_ends_the_shed_ceiling_at_once(mem: InMemory) -> No
     await peer.connect()
     assert await peer.watch_presence(lambda name: None)
     async with running(consumer), mem.client(s) as client:
-        await client.defer_many([_deferral(i) for i in range(100)])
-        await until(lambda: len(consumer.runner) == 100)
-        consumer._maybe_rebalance(live_peers=2, peers_running=100)
-        await until(lambda: bool(transport.published_wakeups))
-        resent = [i for q, part in transport.published_wakeups if q == QUEUE for i in part]
+        resent = await _shed_44_of_100(consumer, transport, client)
         await until(lambda: len(transport.published_wakeups) > 2)  # bounced, unclaimed
         assert len(consumer.runner) == 56 and consumer.admission.ceiling is not None
         await peer.close()
