@@ -125,6 +125,35 @@ async def test_wakeup_is_acked_only_after_the_claim_committed() -> None:
         assert tid in consumer.runner.running
 
 
+class ReplyLostStore(MemoryStore):
+    """The first ``lost`` claims commit, then fail as a connection cut before the reply."""
+
+    def __init__(self, lost: int) -> None:
+        super().__init__()
+        self.lost = lost
+
+    async def claim(self, me: int, ids: Sequence[int], queues: Sequence[str]) -> ClaimResult:
+        found = await super().claim(me, ids, queues)
+        if self.lost and found.claimed:
+            self.lost -= 1
+            raise StoreUnavailable("connection lost after the claim committed")
+        return found
+
+
+async def test_a_claim_that_committed_but_lost_its_reply_still_runs_its_triggers() -> None:
+    store = ReplyLostStore(lost=1)
+    mem = InMemory(store)
+    mem.broker.declare(QUEUE)
+    consumer = Consumer(fast_settings(), store, mem.transport())
+    async with running(consumer), mem.client(fast_settings()) as client:
+        ids = await client.defer_many([_deferral(i) for i in range(3)])
+        await until(lambda: all(i in consumer.runner.running for i in ids))
+        assert store.lost == 0  # the fault happened: the first claim's reply was lost
+        assert consumer.doubts.freed == 3  # handed back by the doubt, then claimed again
+        assert all(store.triggers[i].owner == consumer.me and store.triggers[i].attempt == 2
+                   for i in ids)
+
+
 def _deferral(i: int) -> object:
     from triggerflow.sdk import Deferral
 

@@ -284,10 +284,13 @@ class Admitting:
     def __init__(self, room: list[int]) -> None:
         self.lock = asyncio.Lock()
         self.room = lambda: room[0]
+        self.doubted: list[float] = []  # probation claims that failed, maybe committed
+        self.unanswered = self.doubted.append
 
 
-def on_probation(store: Suspects, room: list[int], started: list[int]) -> asyncio.Task[None]:
-    probation = Probation(store, Me(), ["a"], Admitting(room),  # type: ignore[arg-type]
+def on_probation(store: Suspects, room: list[int], started: list[int],
+                 admitting: Admitting | None = None) -> asyncio.Task[None]:
+    probation = Probation(store, Me(), ["a"], admitting or Admitting(room),  # type: ignore[arg-type]
                           lambda spec: started.append(spec.id), seconds=0.01)
     probation.suspects.set()
     return asyncio.create_task(probation.run())
@@ -313,10 +316,11 @@ async def test_a_full_consumer_takes_suspects_only_once_it_has_room() -> None:
 
 
 async def test_a_failed_probation_claim_is_tried_again() -> None:
-    store, started = Suspects(StoreUnavailable("blip"), [suspect(2)]), []
-    task = on_probation(store, [5], started)
+    store, started, admitting = Suspects(StoreUnavailable("blip"), [suspect(2)]), [], Admitting([5])
+    task = on_probation(store, [5], started, admitting)
     try:
         assert await called(store, 3) == ["claim_probation", "claim_probation", "clear_probation"]
         assert started == [2]
+        assert len(admitting.doubted) == 1  # the failed claim may have committed: a doubt
     finally:
         task.cancel()

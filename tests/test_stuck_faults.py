@@ -15,11 +15,14 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
 
 import aio_pika
 import pytest
 
 from tests.conftest import FAST, Processes, SuiteServices, consumer_id, wait_until
+from tests.netproxy import tcp_proxy
+from tests.test_faults import timers
 from tests.test_ops import free_port, scrape_when_up, total
 from tests.triggers import ReportsPid, WaitsForever
 from triggerflow.model import TaskKey
@@ -337,6 +340,36 @@ async def test_wakeups_committed_but_never_published_are_resent_and_fired(
         "SELECT count(*) = $1 FROM task_instance WHERE state = 'scheduled' "
         "AND next_method = 'execute_complete'", n), bound + 1.0, message="all fired")
     assert time.monotonic() - started <= bound + 1.0
+
+
+async def test_a_claim_whose_reply_was_cut_off_still_runs_its_triggers(
+    client: TriggerflowClient, db: Database, procs: Processes, teams: list[str], dsn: str,
+) -> None:
+    """The claim commits, then the consumer's database connection drops before the reply:
+    the consumer saw an error, the rows say they are its own. Its doubt hands them back."""
+    q, n = teams[0], 20
+    url = urlsplit(dsn)
+    port = free_port()
+    through = urlunsplit(url._replace(netloc=f"{url.netloc.rpartition('@')[0]}@127.0.0.1:{port}"))
+    async with tcp_proxy(port, (url.hostname or "127.0.0.1", url.port or 5432)) as proxy:
+        procs.writer()
+        c = procs.consume(q, database_url=through)
+        me = await consumer_id(db, c)
+        await wait_until(lambda: db.fetchval(
+            "SELECT subscribed FROM consumer WHERE id = $1", me), 30, message="subscribed")
+        proxy.hold_replies(b"WITH candidate AS")  # the claim's text, sent as it is prepared
+        ids = await client.defer_many(timers(n, 3.0, q))
+        await asyncio.wait_for(proxy.held.wait(), 15)
+        await wait_until(lambda: db.fetchval(  # committed: ours in the store, reply held
+            "SELECT count(*) = $2 FROM trigger WHERE id = ANY($1) AND owner_id = $3",
+            ids, n, me), 15, interval=0.02, message="the claim committed")
+        proxy.cut()
+        await wait_until(lambda: db.fetchval(
+            "SELECT count(*) = $1 FROM task_instance WHERE state = 'scheduled' "
+            "AND next_method = 'execute_complete'", n), 30, message="all fired")
+    log = procs.log(c)
+    assert "claim failed" in log, log[-3000:]  # the consumer saw the cut
+    assert f"{n} trigger(s) became ours in a claim whose reply was lost" in log, log[-3000:]
 
 
 @pytest.mark.serial  # timing bound (cancelled within 2 s): runs alone, after the parallel part

@@ -40,6 +40,10 @@ class Local(Protocol):
         """Queue freed triggers for our claim loop; return the ids with no room here."""
         ...
 
+    def unanswered(self, began: float) -> None:
+        """A take-over begun at ``began`` (loop time) failed: it may have committed."""
+        ...
+
 
 class Reaper:
     """Sweeps for one process; ``local`` is the consumer it runs in (a writer's has none)."""
@@ -116,7 +120,13 @@ class Reaper:
         if self.local is None:
             return await self.store.reap_dead(self.queues, max_failures, batch)
         async with self.local.taking() as taker:
-            reaped = await self.store.reap_dead(self.queues, max_failures, batch, taker)
+            began = asyncio.get_running_loop().time()
+            try:
+                reaped = await self.store.reap_dead(self.queues, max_failures, batch, taker)
+            except Exception:
+                if taker is not None:
+                    self.local.unanswered(began)
+                raise
             if reaped.taken:
                 assert taker is not None
                 get_metrics().taken_over.add(len(reaped.taken))

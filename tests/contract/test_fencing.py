@@ -148,3 +148,21 @@ async def test_an_airflow_trigger_without_a_deferred_task_is_never_claimed(
     me = await register(backend, [A], ttl=300)
     found = await backend.store.claim(me, [t], [A])
     assert (found.claimed, found.suspects, found.refused) == ([], [], [])
+
+
+async def test_taken_since_names_my_latest_claims_at_their_attempts(backend: Backend) -> None:
+    """What a claim whose reply was lost may have made mine: my rows claimed lately only."""
+    store = backend.store
+    early, late, theirs = [await backend.defer(A) for _ in range(3)]
+    me = await register(backend, [A], ttl=300)
+    other = await register(backend, [A], ttl=300)
+    await store.claim(me, [early], [A])
+    await backend.travel(30)
+    [spec] = (await store.claim(me, [late], [A])).claimed
+    await store.claim(other, [theirs], [A])
+
+    assert await store.taken_since(me, 10) == [(late, spec.attempt)]
+    assert sorted(await store.taken_since(me, 60)) == [(early, 1), (late, 1)]
+    assert await store.taken_since(other, 10) == [(theirs, 1)]
+    await store.release(me, [late])
+    assert await store.taken_since(me, 10) == []  # not mine any more

@@ -176,6 +176,9 @@ class AirflowStore(SqlStore):
                                  self.default_queue)
         return [TriggerRef(r["id"], r["queue"]) for r in rows]
 
+    async def taken_since(self, me: int, seconds: float) -> list[tuple[int, int]]:
+        return [(r["id"], r["attempt"]) for r in await self._fetch(claims.TAKEN_SINCE, me, seconds)]
+
     async def fail_unloadable(self, me: int, ids: Sequence[int]) -> list[int]:
         rows = await self._fetch(claims.FAIL_UNLOADABLE, list(ids), me, self.default_queue)
         return [r["id"] for r in rows]

@@ -75,6 +75,8 @@ class Admission:
         self.stopping = False  # shutdown began: nothing more is let in
         self.ceiling: int | None = None  # after a shed: deliveries beyond it go on to peers
         self.ceiling_until = 0.0  # ... until then (monotonic)
+        # A take that failed may have committed unseen (``doubts``; set by the consumer).
+        self.on_unanswered: Callable[[float], None] = lambda began: None
 
     # -- room --------------------------------------------------------------------------------
 
@@ -192,6 +194,10 @@ class Admission:
             await self.start(specs)
         finally:
             self.adopting -= len(specs)
+
+    def unanswered(self, began: float) -> None:
+        """A claim, take-over or probation claim begun at ``began`` (loop time) failed."""
+        self.on_unanswered(began)
 
     def take_locally(self, queue: str, ids: list[int]) -> list[int]:
         """Queue freed triggers for our own claim loop; return what does not fit."""

@@ -23,6 +23,7 @@ from typing import TypeVar
 from triggerflow.balance import excess
 from triggerflow.consumer.admission import Admission, Wakeup, ack_all, requeue_all
 from triggerflow.consumer.cancel import CancelSweep
+from triggerflow.consumer.doubts import Doubts
 from triggerflow.consumer.observe import ConsumerObserver
 from triggerflow.consumer.outcomes import EncodeFn, Outcomes
 from triggerflow.consumer.presence import Presence
@@ -108,6 +109,9 @@ class Consumer:
         self.reconciler = Reconciler(
             store, lambda: self.me, self.runner.running.__contains__, self._republish,
             settings.reconcile_after.total_seconds())
+        self.doubts = Doubts(store, self.lease, self.admission, self.reconciler.remembered,
+                             self._republish)
+        self.admission.on_unanswered = self.doubts.doubt
         self.strikes = Strikes(settings, store, self.lease, self.runner, self.probation,
                                self.background.spawn, self._republish)
         self.observer = ConsumerObserver(self)
@@ -135,6 +139,7 @@ class Consumer:
             ("cancel-sweep", self._sweep_loop()),
             ("probation", self.probation.run()),
             ("reconcile", self.reconciler.run()),
+            ("doubts", self.doubts.run()),
         ):
             self.tasks.start(name, coro)
         crashed = await self.tasks.until(stop)
@@ -214,6 +219,7 @@ class Consumer:
         admission = self.admission
         while True:
             batch = await admission.next_batch()
+            began = asyncio.get_running_loop().time()
             try:
                 async with admission.lock:
                     if admission.stopping:
@@ -224,6 +230,9 @@ class Consumer:
             except Exception:
                 # Requeued at once: left unacked on an open channel they would wait for the
                 # broker's consumer timeout. The pause keeps a lost database from a hot loop.
+                # The claim may have committed all the same: ``doubts`` hands back what it
+                # made ours once the store answers, so the redelivered wake-ups find it free.
+                admission.unanswered(began)
                 log.exception("claim failed; requeueing %d deliveries", len(batch))
                 await requeue_all(batch)
                 await asyncio.sleep(1)

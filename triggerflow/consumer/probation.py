@@ -39,10 +39,12 @@ class Probation:
             if room <= 0:  # full: suspects wait until we have room (or another consumer does)
                 await asyncio.sleep(1)
                 continue
+            began = asyncio.get_running_loop().time()
             try:
                 async with self.admission.lock:  # held at shutdown: no group starts then
                     specs = await self.store.claim_probation(self.lease.me, self.queues, room)
             except StoreError:
+                self.admission.unanswered(began)
                 await asyncio.sleep(1)
                 continue
             if not specs:

@@ -62,6 +62,10 @@ class Reconciler:
     def tracked(self) -> int:
         return sum(len(b.ids) for b in self._buckets)
 
+    def remembered(self) -> set[int]:
+        """Ids fired lately, whose event may still be on its way to the writer."""
+        return {i for b in self._buckets for i in b.ids}
+
     async def run(self) -> None:
         while True:
             await asyncio.sleep(self.after / 4)

@@ -10,8 +10,9 @@ role                        calls                                               
 ==========================  =====================================================  ==========
 :class:`LeaseStore`         register, renew, unregister                            ``lease``
 :class:`PresenceStore`      announce_presence, presence_gone                       consumer's presence watch
-:class:`ClaimStore`         claim, release, release_lost, fail_unloadable,         consumer, reconcile
-                            other_loaders, forget, sweep_cancelled
+:class:`ClaimStore`         claim, release, release_lost, taken_since,             consumer, reconcile
+                            fail_unloadable, other_loaders, forget,
+                            sweep_cancelled
 :class:`ProbationStore`     claim_probation, clear_probation, strike               probation, strikes
 :class:`EventStore`         apply_events, apply_unlocked                           ``writer``
 :class:`ReaperStore`        reap_dead, resend_unclaimed, time_out_orphans,         ``reaper``
@@ -137,6 +138,12 @@ class ClaimStore(Protocol):
     async def release_lost(self, me: int, ids: Sequence[int], attempts: Sequence[int]) -> list[TriggerRef]:
         """Reconcile: free the rows among ``ids`` I still own at exactly ``attempts`` though I
         no longer run them (their event was lost), to be re-sent. Reads only these rows."""
+        ...
+
+    async def taken_since(self, me: int, seconds: float) -> list[tuple[int, int]]:
+        """(id, attempt) of the triggers I own that a claim or take-over gave me within the
+        last ``seconds`` (the store's clock): what a statement whose reply never came may
+        have made mine."""
         ...
 
     async def fail_unloadable(self, me: int, ids: Sequence[int]) -> list[int]:

@@ -140,6 +140,12 @@ WHERE t.id = s.trigger_id AND s.trigger_id = lost.id AND s.attempt = lost.attemp
 RETURNING s.trigger_id AS id, coalesce(t.queue, $4) AS queue
 """
 
+# What a claim whose reply never came may have made mine (read only after such a failure).
+TAKEN_SINCE = f"""
+SELECT trigger_id AS id, attempt FROM {SCHEMA}.trigger_state
+WHERE owner_id = $1 AND claimed_at >= now() - make_interval(secs => $2)
+"""
+
 # Refused triggers no other live consumer may load: fail their tasks naming the class.
 FAIL_UNLOADABLE = f"""
 WITH gone AS (

@@ -93,6 +93,11 @@ class MemoryClaims(MemoryState):
                 refs.append(TriggerRef(t.id, t.queue))
         return refs
 
+    async def taken_since(self, me: int, seconds: float) -> list[tuple[int, int]]:
+        since = self.clock() - seconds
+        return [(t.id, t.attempt) for t in self.triggers.values()
+                if t.owner == me and t.claimed_at >= since]
+
     async def fail_unloadable(self, me: int, ids: Sequence[int]) -> list[int]:
         failed = []
         for trigger_id in ids:

@@ -49,6 +49,7 @@ class StoredTrigger:
     dispatched_at: float
     owner: int | None = None
     attempt: int = 0
+    claimed_at: float = 0.0
     failures: int = 0
     rejected_by: set[int] = field(default_factory=set)
     quarantined: bool = False
@@ -141,6 +142,7 @@ class MemoryState:
     def _take(self, t: StoredTrigger, me: int) -> TriggerSpec:
         t.owner = me
         t.attempt += 1
+        t.claimed_at = self.clock()
         return self._spec(t)
 
     @staticmethod

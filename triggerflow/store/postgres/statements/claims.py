@@ -100,6 +100,13 @@ WHERE t.id = lost.id AND t.attempt = lost.attempt AND t.owner_id = $1
 RETURNING t.id, t.queue
 """
 
+# What a claim or take-over whose reply never came may have made mine: my rows claimed
+# lately (by trigger_owner; read only after such a failure, never on the hot path).
+TAKEN_SINCE = """
+SELECT id, attempt FROM trigger
+WHERE owner_id = $1 AND claimed_at >= now() - make_interval(secs => $2)
+"""
+
 # Triggers I refused (could not load) that no other live consumer of their queue may still
 # load: fail their tasks naming the class, instead of passing them round forever.
 FAIL_UNLOADABLE = f"""
