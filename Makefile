@@ -77,8 +77,8 @@ bench: venv
 mutate: venv
 	nice $(BIN)/python -m tools.mutate_sql $(MUTATE_ARGS)
 
-# Python mutation testing (docs/testing.md): mutmut over the lease, probation, rebalance,
-# reaper, writer and wire modules ([tool.mutmut] in pyproject.toml), each mutant against the
+# Python mutation testing (docs/testing.md): mutmut over the lease, probation, doubts,
+# rebalance, reaper, writer and wire modules ([tool.mutmut] in pyproject.toml), each mutant against the
 # in-process tests that reach it. Not part of `make test`; results are kept in mutants/ and
 # the survivors' diffs go to .tools/mutation-py-report.md.
 mutate-py: venv

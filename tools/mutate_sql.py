@@ -35,10 +35,11 @@ TARGETS: list[tuple[str, str, str]] = [
         ("claims", "CLAIM"), ("claims", "CLAIM_PROBATION"), ("writer", "APPLY_EVENTS"),
         ("reaper", "REAP_DEAD"), ("claims", "RELEASE"), ("claims", "RELEASE_LOST"),
         ("claims", "SWEEP_CANCELLED"), ("reaper", "TIMEOUT_ORPHANS"), ("deferral", "CANCEL"),
-        ("claims", "STRIKE"))),
+        ("claims", "STRIKE"), ("claims", "TAKEN_SINCE"))),
     *((AIRFLOW + module, name, "airflow") for module, name in (
         ("claims", "CLAIM"), ("claims", "CLAIM_PROBATION"), ("reaper", "REAP_DEAD"),
-        ("claims", "RELEASE"), ("claims", "RELEASE_LOST"), ("claims", "STRIKE"))),
+        ("claims", "RELEASE"), ("claims", "RELEASE_LOST"), ("claims", "STRIKE"),
+        ("claims", "TAKEN_SINCE"))),
     ("triggerflow.airflow.events", "APPLY", "airflow"),
     ("triggerflow.airflow.cancels", "CREATE", "airflow"),
     ("triggerflow.airflow.liveness", "UNSERVED_QUEUES", "airflow"),

@@ -63,7 +63,7 @@ class Doubts:
             except Exception as exc:  # the store is still away: try again
                 log.debug("settling doubtful claims failed (%r); retrying", exc)
                 await asyncio.sleep(delay)
-                delay = min(delay * 2, RETRY_MAX)
+                delay = backoff(delay)
             else:
                 delay = RETRY_FIRST
 
@@ -95,3 +95,8 @@ class Doubts:
             self.freed += len(refs)
             await self.republish(refs)
         return len(refs)
+
+
+def backoff(delay: float) -> float:
+    """The wait after ``delay`` while the store still does not answer."""
+    return min(delay * 2, RETRY_MAX)
