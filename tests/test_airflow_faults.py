@@ -95,9 +95,12 @@ class Served:
 
 
 @pytest.fixture
-async def served(airflow_db: str, services: SuiteServices, tmp_path: Path) -> AsyncIterator[Served]:
+async def served(airflow_db: str, services: SuiteServices, tmp_path: Path,
+                 monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Served]:
     """Airflow's database set up for triggerflow, one team queue declared, and the processes
-    of ``triggerflow consume/writer --airflow`` (killed at teardown)."""
+    of ``triggerflow consume/writer --airflow`` (killed at teardown), with Airflow's own
+    configuration naming that database (the consumers' runtime reads it there)."""
+    monkeypatch.setenv("AIRFLOW__DATABASE__SQL_ALCHEMY_CONN", af.sqlalchemy_url(airflow_db))
     dsn = af.dsn_of(airflow_db)
     await af.prepare(dsn)
     namespace = f"tfaf{uuid.uuid4().hex[:10]}"
@@ -140,6 +143,41 @@ async def test_sigkill_of_a_consumer_holding_airflow_triggers_fails_over(served:
     await wait_until(lambda: served.scheduled("t", 300), 60, interval=0.5,
                      message="every task resumed by the peer")
     await served.assert_resumed_once(300)
+
+
+async def test_a_consumer_joining_a_fleet_takes_nothing_until_its_runtime_answers(
+    served: Served,
+) -> None:
+    """Its runtime child takes seconds to start; meanwhile the peer runs everything and the
+    newcomer claims nothing (and is not counted as capacity), then it takes its share."""
+    served.procs.writer()
+    first = served.procs.consume(served.queue)
+    first_id = await served.consumer_id(first)
+    await served.defer(300, first_in=3600)
+    await wait_until(lambda: served.all_owned_by(first_id, 300), 30,
+                     message="first consumer holds all")
+    second = served.procs.consume(served.queue)
+    second_id = await served.consumer_id(second)
+
+    def log() -> str:
+        return served.procs.log(second)
+
+    await wait_until(lambda: _now("taking nothing until our trigger runtime answers" in log()),
+                     30, message="the newcomer waits for its runtime")
+    while "taking triggers now: our trigger runtime is up" not in log():  # seconds
+        assert await served.all_owned_by(first_id, 300), "claimed before its runtime answered"
+        assert not await served.scalar(
+            "SELECT subscribed FROM triggerflow.consumer WHERE id = $1", second_id)
+        assert second.poll() is None, log()[-3000:]
+        await asyncio.sleep(0.1)
+    assert "Airflow runtime answering" in log(), log()[-3000:]
+    await wait_until(lambda: served.scalar(  # the peer's shed, claimed now
+        "SELECT count(*) > 0 FROM triggerflow.trigger_state WHERE owner_id = $1", second_id),
+        30, message="the newcomer takes its share once warm")
+
+
+async def _now(value: bool) -> bool:
+    return value
 
 
 @pytest.mark.serial  # failed in make test's parallel stage at load 10-16 (docs/testing.md): alone

@@ -5,6 +5,7 @@ first claim on, every DAG timed out)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import subprocess
 import sys
@@ -43,10 +44,13 @@ async def test_consumer_prepares_the_orm_before_serving(monkeypatch: pytest.Monk
 
     calls: list[str] = []
 
+    class Runtime:
+        ready = asyncio.Event()
+
     @contextlib.asynccontextmanager
-    async def serving() -> AsyncIterator[None]:
+    async def serving() -> AsyncIterator[Runtime]:
         calls.append("runtime")
-        yield
+        yield Runtime()
 
     @contextlib.contextmanager
     def writing(dsn: str) -> Iterator[None]:
@@ -56,6 +60,7 @@ async def test_consumer_prepares_the_orm_before_serving(monkeypatch: pytest.Monk
     monkeypatch.setattr(task_context, "prepare_orm", lambda: calls.append("prepare_orm"))
     monkeypatch.setattr(runtime, "serving", serving)
     monkeypatch.setattr(trigger_logs, "writing", writing)
-    async with AirflowMode(Settings(airflow=True)).serving_consumer():
+    async with AirflowMode(Settings(airflow=True)).serving_consumer() as ready:
         calls.append("serving")
     assert calls == ["prepare_orm", "runtime", "trigger logs", "serving"]
+    assert ready is Runtime.ready  # the consumer's warm-up: set once the runtime answers

@@ -227,3 +227,19 @@ async def test_a_lost_runtime_process_fails_requests_and_is_started_again(
         await asyncio.sleep(0.1)
     answer = await airflow_runtime.comms.asend(GetVariable(key=VARIABLE))
     assert answer.value == "from the metastore"
+
+
+async def test_ready_is_set_once_the_runtime_answers_and_a_dead_one_only_delays_it(
+        airflow_runtime: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """``ready`` (the consumer's ``warm_up``) is set by the first answer; a child that cannot
+    answer is logged and counts as ready all the same (its requests fail as before)."""
+    caplog.set_level(logging.INFO, logger="triggerflow.airflow.runtime")
+    async with asyncio.timeout(60):
+        await airflow_runtime.ready.wait()
+    assert "Airflow runtime answering" in caplog.text
+    airflow_runtime.ready.clear()
+    airflow_runtime.process.kill()
+    await airflow_runtime.process.wait()
+    await airflow_runtime.warm_up()  # returns: the warm-up never stops the consumer
+    assert airflow_runtime.ready.is_set()
+    assert "did not answer its warm-up (RuntimeUnavailable(" in caplog.text

@@ -572,6 +572,42 @@ async def test_a_peer_leaving_ends_the_shed_ceiling_at_once(mem: InMemory) -> No
         assert len(consumer.runner) == 100
 
 
+async def test_joining_beside_a_peer_waits_for_its_runtime_and_alone_does_not(
+    mem: InMemory,
+) -> None:
+    """Airflow mode's runtime child takes seconds to start: a consumer that joins a fleet
+    takes nothing until it answers (the peer runs everything meanwhile, and does not count
+    the newcomer as capacity); then it takes its share."""
+    s = fast_settings()
+    peer = Consumer(s, mem.store, mem.transport())
+    ready = asyncio.Event()
+    joining = Consumer(s, mem.store, mem.transport(), warm_up=ready)
+    async with running(peer), mem.client(s) as client:
+        await until(lambda: peer.me in mem.store.processes and mem.store.processes[peer.me].subscribed)
+        async with running(joining):
+            await until(lambda: joining.admission.warming)
+            ids = await client.defer_many([_deferral(i) for i in range(100)])
+            await until(lambda: len(peer.runner) == 100)
+            await asyncio.sleep(0.5)  # five renewals: the peer would have shed to it
+            assert len(joining.runner) == 0 and len(peer.runner) == 100
+            assert joining.subscriptions.paused  # no deliveries reach it
+            assert not mem.store.processes[joining.me].subscribed
+            ready.set()
+            await until(lambda: len(joining.runner) > 0)  # the peer's shed, claimed now
+            assert not joining.admission.warming
+            await until(lambda: len(joining.runner) + len(peer.runner) == 100)
+            assert set(joining.runner.running) | set(peer.runner.running) == set(ids)
+
+
+async def test_a_lone_consumer_does_not_wait_for_its_runtime(mem: InMemory) -> None:
+    s = fast_settings()
+    alone = Consumer(s, mem.store, mem.transport(), warm_up=asyncio.Event())  # never set
+    async with running(alone), mem.client(s) as client:
+        ids = await client.defer_many([_deferral(i) for i in range(3)])
+        await until(lambda: all(i in alone.runner.running for i in ids))
+        assert not alone.admission.warming
+
+
 def test_rebalance_sheds_only_real_excess() -> None:
     assert excess(mine=100, live_peers=1, peers_running=100, max_shed=1000) == 0
     assert excess(mine=60, live_peers=2, peers_running=100, max_shed=1000) == 0  # < 125%

@@ -58,8 +58,9 @@ class Mode(Protocol[StoreT]):
         """How a consumer encodes what a trigger yields (None: the native wire form)."""
         ...
 
-    def serving_consumer(self) -> AbstractAsyncContextManager[object]:
-        """Entered around a consumer's run: what its triggers need beside it."""
+    def serving_consumer(self) -> AbstractAsyncContextManager[asyncio.Event | None]:
+        """Entered around a consumer's run: what its triggers need beside it. Gives an event
+        set once that answers (the consumer's ``warm_up``), or None: nothing to wait for."""
         ...
 
     def serving_writer(self, store: StoreT, transport: Transport, reaper: Reaper,
@@ -112,8 +113,8 @@ class NativeMode:
     def encoder(self) -> EncodeFn | None:
         return None
 
-    def serving_consumer(self) -> AbstractAsyncContextManager[object]:
-        return contextlib.nullcontext()
+    def serving_consumer(self) -> AbstractAsyncContextManager[asyncio.Event | None]:
+        return contextlib.nullcontext(None)
 
     def serving_writer(self, store: PostgresStore, transport: Transport, reaper: Reaper,
                        stop: asyncio.Event) -> AbstractAsyncContextManager[object]:

@@ -117,9 +117,9 @@ async def _consume(settings: Settings, mode: Mode[StoreT], store: StoreT,
     from triggerflow.consumer import Consumer
 
     transport = make_transport(settings, name=consumer_connection_name(settings.queues))
-    consumer = Consumer(settings, store, transport, loader=mode.loader(),
-                        encode=mode.encoder())
-    async with mode.serving_consumer():
+    async with mode.serving_consumer() as ready:
+        consumer = Consumer(settings, store, transport, loader=mode.loader(),
+                            encode=mode.encoder(), warm_up=ready)
         return await consumer.run(stop)
 
 

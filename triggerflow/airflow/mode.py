@@ -142,7 +142,7 @@ class AirflowMode:
         return wire_outcome
 
     @contextlib.asynccontextmanager
-    async def serving_consumer(self) -> AsyncIterator[object]:
+    async def serving_consumer(self) -> AsyncIterator[asyncio.Event | None]:
         from triggerflow.airflow import runtime, task_context, trigger_logs
         from triggerflow.airflow.persisted import PENDING
         from triggerflow.airflow.watchers import shared_streams
@@ -153,7 +153,7 @@ class AirflowMode:
                 PENDING.serving(dsn, lambda seqs: shared_streams().confirm_persisted(seqs)):
             # After the runtime: its secrets masker is on before any line is captured.
             with trigger_logs.writing(dsn):
-                yield served
+                yield served.ready
 
     @contextlib.asynccontextmanager
     async def serving_writer(self, store: AirflowStore, transport: Transport, reaper: Reaper,

@@ -13,7 +13,11 @@ things are added:
   is the ``CURRENT_TRIGGER`` context variable, inherited by its tasks and by
   ``sync_to_async`` threads), so one that floods waits behind itself, not others;
 - a lost runtime process fails the requests in flight with ``RuntimeUnavailable`` (not a
-  cancellation the trigger would take for its own) and is started again.
+  cancellation the trigger would take for its own) and is started again;
+- a warm-up: ``RuntimeProcess.ready`` is set once the child has answered one request
+  (Airflow imported, its in-process API built, a database connection open: about 5 s). The
+  consumer takes nothing before that while a peer serves its queues (``Consumer``'s
+  ``warm_up``), so joining a fleet does not make triggers wait for a cold child.
 
 Secrets Airflow masks (connection passwords and extras, variables, ``mask_secret``) are
 masked in the consumer's own log output too (``mask_logs``).
@@ -27,6 +31,7 @@ import logging
 import os
 import socket
 import sys
+import time
 from collections import Counter
 from collections.abc import AsyncIterator
 from contextvars import ContextVar
@@ -35,6 +40,7 @@ from typing import Any
 from airflow.jobs.triggerer_job_runner import TriggerCommsDecoder
 from airflow.sdk._shared.secrets_masker import SecretsMasker, _secrets_masker
 from airflow.sdk.execution_time import task_runner
+from airflow.sdk.execution_time.comms import GetDRCount
 
 from triggerflow.errors import TriggerflowError
 from triggerflow.lifecycle import Tasks
@@ -43,6 +49,9 @@ log = logging.getLogger(__name__)
 
 REQUESTS_PER_TRIGGER = 1
 RESTART_DELAY = 1.0  # seconds before a lost runtime process is started again
+WARM_UP_TIMEOUT = 60.0  # seconds before a runtime that does not answer counts as ready anyway
+# The warm-up's request: a count on the database alone (no secrets backend is asked).
+WARM_UP = GetDRCount(dag_id="__triggerflow_warm_up__")
 CURRENT_TRIGGER: ContextVar[int | None] = ContextVar("triggerflow_airflow_trigger", default=None)
 
 
@@ -119,6 +128,7 @@ class RuntimeProcess:
     def __init__(self) -> None:
         self.process: asyncio.subprocess.Process | None = None
         self.comms: RuntimeComms | None = None
+        self.ready = asyncio.Event()  # the child answered once (or failed to, or timed out)
 
     async def start(self) -> None:
         ours, theirs = socket.socketpair()
@@ -132,6 +142,21 @@ class RuntimeProcess:
         await self.comms.start_reader()
         # The trigger runner installs its TriggerCommsDecoder here too (typed for the task runner).
         task_runner.SUPERVISOR_COMMS = self.comms  # type: ignore[assignment]
+
+    async def warm_up(self) -> None:
+        """Set ``ready`` once the child answers a request, or after ``WARM_UP_TIMEOUT``: a
+        child that fails or is slow only delays the requests, as before."""
+        assert self.comms is not None
+        started = time.monotonic()
+        try:
+            await asyncio.wait_for(self.comms.asend(WARM_UP), WARM_UP_TIMEOUT)
+        except Exception as exc:
+            log.warning("Airflow runtime did not answer its warm-up (%r); serving anyway", exc)
+        else:
+            log.info("Airflow runtime answering (%.1f s after it started)",
+                     time.monotonic() - started)
+        finally:
+            self.ready.set()
 
     async def stop(self) -> None:
         if self.comms is not None:
@@ -157,7 +182,8 @@ class RuntimeProcess:
 
 @contextlib.asynccontextmanager
 async def serving() -> AsyncIterator[RuntimeProcess]:
-    """The runtime for the consumer's lifetime: ``SUPERVISOR_COMMS`` installed, logs masked."""
+    """The runtime for the consumer's lifetime: ``SUPERVISOR_COMMS`` installed, logs masked;
+    entered at once, ``ready`` set in the background once the child answers."""
     context = os.environ.get("_AIRFLOW_PROCESS_CONTEXT")
     os.environ["_AIRFLOW_PROCESS_CONTEXT"] = "client"  # as Airflow's trigger runner sets it
     mask_logs()
@@ -166,6 +192,7 @@ async def serving() -> AsyncIterator[RuntimeProcess]:
     try:
         async with Tasks() as watch:
             watch.start("airflow-runtime", runtime.supervise())
+            watch.start("airflow-runtime-warm-up", runtime.warm_up())
             yield runtime
     finally:
         await runtime.stop()

@@ -8,8 +8,9 @@ until they run or are passed on, so the room left is never promised twice.
 
 ``lock`` is the claim lock: claims, take-overs, probation and a strike's first try hold it,
 and shutdown takes it for good, so nothing commits a claim after shutdown's release (it
-would strand those triggers on our dead row). At capacity, or while our clock is off the
-database's, the subscriptions are cancelled; they resume with 10% of the room to spare.
+would strand those triggers on our dead row). At capacity, while our clock is off the
+database's, or while we warm up beside a peer (``warming``), the subscriptions are
+cancelled; they resume with 10% of the room to spare.
 
 After a rebalancing shed, broker deliveries beyond what we kept go on to peers for a short
 while (``keep_at_most``): the wake-ups we handed back land on us as often as on the peer we
@@ -72,6 +73,8 @@ class Admission:
         self.adopting = 0  # taken over (ours in the store already), starting in the background
         self.lock = asyncio.Lock()
         self.clock_ok: bool | None = None  # None: not compared with the database's yet
+        # Our trigger runtime is still starting and a peer serves our queues meanwhile.
+        self.warming = False
         self.stopping = False  # shutdown began: nothing more is let in
         self.ceiling: int | None = None  # after a shed: deliveries beyond it go on to peers
         self.ceiling_until = 0.0  # ... until then (monotonic)
@@ -86,12 +89,12 @@ class Admission:
         return len(self.runner) + self.adopting + self.pending
 
     def room(self, *, counting_pending: bool = True) -> int:
-        """Triggers we may still take: none on a skewed clock (no claim, take-over or
-        probation then). A claim batch's own ids are pending ones: it asks without
+        """Triggers we may still take: none on a skewed clock or while warming up (no
+        claim, take-over or probation then). A claim batch's own ids are pending ones: it asks without
         ``counting_pending`` (wake-ups queued behind it are no commitment), but a take-over
         still starting is ours already: counted always, or a claim beside it overshoots
         ``capacity`` by up to a batch (seen in `bench zone`: 42,000 held for 40,000)."""
-        if not self.clock_ok:
+        if not self.clock_ok or self.warming:
             return 0
         counted = self.held if counting_pending else len(self.runner) + self.adopting
         return max(0, self.capacity - counted)
@@ -104,6 +107,13 @@ class Admission:
 
     def lift_ceiling(self) -> None:
         self.ceiling = None
+
+    def end_warm_up(self, why: str) -> None:
+        """Take triggers from now on (``why``: for the log), if we were warming up."""
+        if self.warming:
+            self.warming = False
+            log.info("taking triggers now: %s", why)
+            self.update_flow()
 
     def delivery_room(self) -> int:
         """Room for a claim batch of broker deliveries: ``room`` without the batch's own
@@ -128,7 +138,7 @@ class Admission:
         room = self.room()
         paused = self.subscriptions.paused
         if not paused and room == 0:
-            if self.clock_ok:
+            if self.clock_ok and not self.warming:
                 log.info("at capacity (%d); pausing subscriptions", self.held)
             self.subscriptions.paused = True  # at once: no resume may slip in before the task
             self.background.spawn(self.subscriptions.pause())

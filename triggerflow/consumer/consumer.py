@@ -58,12 +58,16 @@ class Consumer:
     ``renew_interval`` (failover time), ``claim_batch`` (ids per claim statement),
     ``prefetch`` (wake-up messages in flight), ``allowed_modules``, ``max_clock_skew``.
     ``clock`` is the wall clock timers and timeouts are read on (tests shift it).
+    ``warm_up``: set once what triggers need beside the consumer answers (Airflow mode's
+    runtime child takes seconds to start); until then, if a subscribed peer serves our
+    queues at our first renewal, we take nothing and it runs them. None: nothing to wait for.
     Raises ValueError when ``settings.queues`` is empty.
     """
 
     def __init__(self, settings: Settings, store: ConsumerStore, transport: Transport, *,
                  loader: Loader | None = None, encode: EncodeFn | None = None,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time,
+                 warm_up: asyncio.Event | None = None) -> None:
         if not settings.queues:
             raise ValueError("a consumer needs at least one queue")
         self.settings = settings
@@ -102,7 +106,9 @@ class Consumer:
         # A peer gone: the wake-ups a shed handed it are ours to claim again at once, not
         # bounced between us and the queue until the shed settles (admission's ceiling).
         self.presence = Presence(store, transport, self.lease, self.queues, self._reap_now,
-                                 peer_left=self.admission.lift_ceiling)
+                                 peer_left=self._peer_left)
+        self.warm_up = warm_up
+        self._warm_up_decided = warm_up is None
         self.subscriptions.on_session = self.presence.connected
         self.probation = Probation(self.store, self.lease, self.queues, self.admission,
                                    self.starter.start, settings.probation_seconds.total_seconds())
@@ -131,6 +137,8 @@ class Consumer:
             await self.transport.close()
             return 1 if report_stopped([registered] if registered else []) else 0
         await self.subscriptions.set_control(self.me, self._on_control)
+        if self.warm_up is not None:
+            self.background.spawn(self._warmed_up(self.warm_up))
         for name, coro in (
             ("broker", self.subscriptions.run(on_connected=self.sink.retry)),
             ("claims", self._claim_loop()),
@@ -305,7 +313,8 @@ class Consumer:
         try:
             renewal = await self.lease.renew(
                 len(self.runner),
-                subscribed=self.subscriptions.connected.is_set() and self.admission.clock_ok is True)
+                subscribed=(self.subscriptions.connected.is_set() and self.admission.clock_ok is True
+                            and not self.admission.warming))
         except LeaseLost as exc:
             await self._fence(str(exc))
             return
@@ -313,12 +322,35 @@ class Consumer:
             log.warning("lease renewal failed: %r", exc)
             return
         self.metrics.renewals.add(1)
+        self._decide_warm_up(renewal.live_peers)
         self._check_clock()
         await self.presence.announce()
         if renewal.dead_peers:
             self._reap_now.set()
             self.admission.lift_ceiling()  # a shed's peer may be the dead one
+            self.admission.end_warm_up("a peer of our queues died")
         self._maybe_rebalance(renewal.live_peers, renewal.peers_running)
+
+    def _decide_warm_up(self, live_peers: int) -> None:
+        """Once, at the first renewal (which reads the peers): with our runtime still
+        starting, wait while a subscribed peer serves our queues (it runs them meanwhile, and
+        counts us as capacity only once we subscribe); alone, serve at once, or everything
+        would wait, timers included."""
+        if self._warm_up_decided:
+            return
+        self._warm_up_decided = True
+        if self.warm_up is not None and not self.warm_up.is_set() and live_peers > 0:
+            self.admission.warming = True
+            log.info("%d peer(s) serve our queues: taking nothing until our trigger runtime "
+                     "answers", live_peers)
+
+    async def _warmed_up(self, ready: asyncio.Event) -> None:
+        await ready.wait()
+        self.admission.end_warm_up("our trigger runtime is up")
+
+    def _peer_left(self) -> None:
+        self.admission.lift_ceiling()  # the wake-ups a shed handed it are ours again
+        self.admission.end_warm_up("a peer left")  # maybe the one serving our queues
 
     def _check_clock(self) -> None:
         """Run triggers only while our clock is within ``max_clock_skew`` of the database's:
