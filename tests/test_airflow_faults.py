@@ -89,6 +89,16 @@ class Served:
 
         return int(await wait_until(find, 30, message=f"consumer {proc.pid} registered"))  # type: ignore[call-overload]
 
+    async def one_holding(self, n: int, first_in: float) -> tuple[subprocess.Popen[bytes], int]:
+        """A writer and one consumer (and its id), holding ``n`` new triggers."""
+        self.procs.writer()
+        first = self.procs.consume(self.queue)
+        first_id = await self.consumer_id(first)
+        await self.defer(n, first_in=first_in)
+        await wait_until(lambda: self.all_owned_by(first_id, n), 30,
+                         message="first consumer holds all, woken through NOTIFY")
+        return first, first_id
+
     async def all_owned_by(self, owner: int, n: int) -> bool:
         return await self.scalar(  # type: ignore[return-value]
             "SELECT count(*) = $2 FROM triggerflow.trigger_state WHERE owner_id = $1", owner, n)
@@ -124,12 +134,7 @@ async def served(airflow_db: str, services: SuiteServices, tmp_path: Path,
 
 @pytest.mark.serial  # timing bound (a failover bound): runs alone, after the parallel part
 async def test_sigkill_of_a_consumer_holding_airflow_triggers_fails_over(served: Served) -> None:
-    served.procs.writer()
-    first = served.procs.consume(served.queue)
-    first_id = await served.consumer_id(first)
-    await served.defer(300, first_in=20)
-    await wait_until(lambda: served.all_owned_by(first_id, 300), 30,
-                     message="first consumer holds all, woken through NOTIFY")
+    first, _ = await served.one_holding(300, first_in=20)
     second = served.procs.consume(served.queue)
     second_id = await served.consumer_id(second)
     await asyncio.sleep(0.3)
@@ -150,12 +155,7 @@ async def test_a_consumer_joining_a_fleet_takes_nothing_until_its_runtime_answer
 ) -> None:
     """Its runtime child takes seconds to start; meanwhile the peer runs everything and the
     newcomer claims nothing (and is not counted as capacity), then it takes its share."""
-    served.procs.writer()
-    first = served.procs.consume(served.queue)
-    first_id = await served.consumer_id(first)
-    await served.defer(300, first_in=3600)
-    await wait_until(lambda: served.all_owned_by(first_id, 300), 30,
-                     message="first consumer holds all")
+    _, first_id = await served.one_holding(300, first_in=3600)
     second = served.procs.consume(served.queue)
     second_id = await served.consumer_id(second)
 
