@@ -286,13 +286,17 @@ class AirflowStore(SqlStore):
 
     async def reap_dead(self, queues: Sequence[str] | None, max_failures: int,
                         limit: int | None = None, taker: Taker | None = None) -> Reaped:
-        # One statement frees them all; the reaping consumer then claims them (no take-over
-        # in one rewrite here yet: an Airflow consumer holds 1,000s, not a million).
+        # One statement for all they held (an Airflow consumer holds 1,000s, not a million:
+        # no batches); what the taker may run is its own in the same rewrite.
+        if taker is not None and queues is None:
+            raise ValueError("a taker reaps only its own queues")
         rows = await self._fetch(reaper.REAP_DEAD, *scope(queues), max_failures,
-                                 self.default_queue)
+                                 self.default_queue, taker and taker.me,
+                                 taker.room if taker else 0)
         freed = [FreedTrigger(r["id"], r["queue"], r["classpath"], r["failures"],
-                              r["quarantined"]) for r in rows]
-        return Reaped(freed, rows[0]["dead"] if rows else 0)
+                              r["quarantined"]) for r in rows if not r["taken"]]
+        taken = await self._specs([r for r in rows if r["taken"]])
+        return Reaped(freed, rows[0]["dead"] if rows else 0, taken)
 
     async def resend_unclaimed(self, queues: Sequence[str] | None, grace: float,
                                limit: int) -> list[TriggerRef]:

@@ -26,7 +26,7 @@ def fail_quarantined(rows: str) -> str:
 # the team queue, the task for log lines, and how long ago the task deferred (the API server
 # writes created_date with the deferral: the scheduler race's clock). Timeouts stay the
 # scheduler's (as in Airflow).
-_SPEC = """
+SPEC = """
     t.id, c.attempt, t.classpath, t.kwargs, coalesce(t.queue, $4) AS queue,
     CASE WHEN ti.id IS NOT NULL THEN format('%s.%s@%s', ti.dag_id, ti.task_id, ti.run_id)
     END AS task,  -- NULL: an asset watcher's or a callback's row (airflow/watchers.py)
@@ -70,7 +70,7 @@ WITH candidate AS MATERIALIZED (
                 WHERE o.id = s.owner_id AND o.expires_at > now()))
     RETURNING s.trigger_id, s.attempt
 )
-SELECT {_SPEC}, 'claimed' AS outcome
+SELECT {SPEC}, 'claimed' AS outcome
 FROM claimed c JOIN "trigger" t ON t.id = c.trigger_id
 LEFT JOIN task_instance ti ON ti.trigger_id = t.id AND coalesce(ti.state, '') = 'deferred'
 UNION ALL

@@ -3,11 +3,16 @@
 
 from triggerflow.airflow.nontask import LIVE
 from triggerflow.airflow.schema import SCHEMA
-from triggerflow.airflow.statements.claims import fail_quarantined
+from triggerflow.airflow.statements.claims import SPEC, fail_quarantined
+from triggerflow.store.interface import SUSPECT_FAILURES
+from triggerflow.store.postgres.statements.reaper import take_or_free
 
-# Consumers whose lease expired: free their triggers for re-sending, blaming as probation
-# says. A quarantined trigger's task fails the way Airflow fails a trigger
-# (``Trigger.submit_failure``: '__fail__', 'Trigger failure', the reason as its traceback).
+# Consumers whose lease expired: blame as probation says, then take over (a reaping consumer,
+# $5, with room for $6) or free for re-sending. A quarantined trigger's task fails the way
+# Airflow fails a trigger (``Trigger.submit_failure``: '__fail__', 'Trigger failure', the
+# reason as its traceback). Taken: of the reaper's queues ($1), with work (LIVE), not a
+# suspect even after this death, not refused by the taker, within its room; owned by it at a
+# raised attempt in this same rewrite, as a claim would leave it (one rewrite, not two).
 REAP_DEAD = f"""
 WITH dead AS (
     -- witnessed: another process with a lease no longer than this one's stayed valid across
@@ -21,29 +26,37 @@ WITH dead AS (
     WHERE d.expires_at < now() AND (d.queues && $1::text[] OR $2)
     FOR UPDATE OF d SKIP LOCKED
 ), blamed AS (
-    SELECT s.trigger_id, s.owner_id,
+    SELECT s.trigger_id, s.owner_id, s.failures, s.rejected_by,
            d.witnessed AND (cardinality(d.probation) = 0 OR s.trigger_id = ANY(d.probation))
                AS blame,
            d.probation = ARRAY[s.trigger_id::bigint] AS alone
     FROM {SCHEMA}.trigger_state s JOIN dead d ON s.owner_id = d.id
+), judged AS (
+    SELECT b.trigger_id, b.owner_id, b.blame,
+           b.blame AND (b.alone OR b.failures + 1 >= $3) AS quarantine,
+           coalesce($5::bigint IS NOT NULL AND coalesce(t.queue, $4) = ANY($1::text[])
+               AND b.failures + b.blame::int < {SUSPECT_FAILURES}
+               AND NOT coalesce($5::bigint = ANY(b.rejected_by), false)
+               AND {LIVE}, false) AS takeable  -- never NULL: it sets the attempt
+    FROM blamed b JOIN "trigger" t ON t.id = b.trigger_id
+), fate AS (
+    SELECT j.*, j.takeable AND NOT j.quarantine
+               AND row_number() OVER (PARTITION BY j.takeable ORDER BY j.trigger_id) <= $6 AS take
+    FROM judged j
 ), freed AS (
-    UPDATE {SCHEMA}.trigger_state s SET owner_id = NULL, published_at = now(),
-        failures = s.failures + b.blame::int,
-        quarantined_at = CASE WHEN b.blame AND (b.alone OR s.failures + 1 >= $3) THEN now() END,
-        last_error = CASE WHEN b.blame
-            THEN format('consumer %s died while running it (%s ungraceful losses)',
-                        b.owner_id, s.failures + 1)
-            ELSE s.last_error END
+    UPDATE {SCHEMA}.trigger_state s SET {take_or_free("s", "published_at")}
     -- only while the dead consumer still owns it: a claim that committed while this waited
     -- on the row is re-checked here (READ COMMITTED) and stands
-    FROM blamed b WHERE s.trigger_id = b.trigger_id AND s.owner_id = b.owner_id
-    RETURNING s.trigger_id, s.failures, s.quarantined_at IS NOT NULL AS quarantined, s.last_error
+    FROM fate f WHERE s.trigger_id = f.trigger_id AND s.owner_id = f.owner_id
+    RETURNING s.trigger_id, s.attempt, s.failures, s.quarantined_at IS NOT NULL AS quarantined,
+              s.last_error, f.take
 ), failed AS ({fail_quarantined("freed")}), gone AS (
     DELETE FROM {SCHEMA}.consumer WHERE id IN (SELECT id FROM dead) RETURNING id
 )
-SELECT f.trigger_id AS id, coalesce(t.queue, $4) AS queue, t.classpath, f.failures,
-       f.quarantined, (SELECT count(*) FROM gone) AS dead
+SELECT {SPEC.replace("c.attempt", "f.attempt")}, f.failures,
+       f.quarantined, f.take AS taken, (SELECT count(*) FROM gone) AS dead
 FROM freed f JOIN "trigger" t ON t.id = f.trigger_id
+LEFT JOIN task_instance ti ON ti.trigger_id = t.id AND coalesce(ti.state, '') = 'deferred'
 """
 
 # The backstop for wake-ups: Airflow trigger rows of a deferred task that nobody owns and that

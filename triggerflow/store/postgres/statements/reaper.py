@@ -4,6 +4,25 @@ lost wake-ups, orphaned tasks, waiting queues."""
 from triggerflow.model import FailureReason
 from triggerflow.store.interface import ORPHAN_SLACK, SUSPECT_FAILURES
 
+
+def take_or_free(row: str, sent: str) -> str:
+    """The SET list of a reaping rewrite of ``row`` by CTE row ``f`` (``take``, ``blame``,
+    ``quarantine``, ``owner_id``): taken by the reaping consumer $5 at a raised attempt, or
+    freed; blamed and quarantined as ``f`` says; ``sent``: the column a re-send stamps.
+    Shared by both stores' REAP_DEAD (Airflow mode's bookkeeping has the same columns)."""
+    return f"""
+        owner_id = CASE WHEN f.take THEN $5::bigint END,
+        attempt = {row}.attempt + f.take::int,
+        claimed_at = CASE WHEN f.take THEN now() ELSE {row}.claimed_at END,
+        {sent} = now(),
+        failures = {row}.failures + f.blame::int,
+        quarantined_at = CASE WHEN f.quarantine THEN now() END,
+        last_error = CASE WHEN f.blame
+            THEN format('consumer %s died while running it (%s ungraceful losses)',
+                        f.owner_id, {row}.failures + 1)
+            ELSE {row}.last_error END"""
+
+
 # Consumers whose lease expired: free their triggers for re-sending. An ungraceful loss
 # counts against the triggers to blame (those on probation if any, else all); a trigger
 # blamed alone, or too often, is quarantined and its task failed naming the class.
@@ -49,17 +68,7 @@ WITH dead AS (
                AND row_number() OVER (PARTITION BY j.takeable ORDER BY j.id) <= $6 AS take
     FROM judged j
 ), freed AS (
-    UPDATE trigger t SET
-        owner_id = CASE WHEN f.take THEN $5::bigint END,
-        attempt = t.attempt + f.take::int,
-        claimed_at = CASE WHEN f.take THEN now() ELSE t.claimed_at END,
-        dispatched_at = now(),
-        failures = t.failures + f.blame::int,
-        quarantined_at = CASE WHEN f.quarantine THEN now() END,
-        last_error = CASE WHEN f.blame
-            THEN format('consumer %s died while running it (%s ungraceful losses)',
-                        f.owner_id, t.failures + 1)
-            ELSE t.last_error END
+    UPDATE trigger t SET {take_or_free("t", "dispatched_at")}
     -- by trigger_pkey: "= ANY" of the batch's ids, not a hash of the whole table; and only
     -- while the dead consumer still owns it (a claim may have taken it meanwhile)
     FROM fate f WHERE t.id = f.id AND t.owner_id = f.owner_id
