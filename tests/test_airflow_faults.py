@@ -24,6 +24,8 @@ import pytest
 from tests import airflow_support as af
 from tests.airflow_support import airflow_db, airflow_template
 from tests.conftest import FAST, Processes, SuiteServices, delete_topology, wait_until
+from tests.test_health import probe_until
+from tests.test_ops import free_port
 from triggerflow.settings import Settings
 from triggerflow.transport.rabbitmq import RabbitTransport, Topology
 
@@ -154,23 +156,37 @@ async def test_a_consumer_joining_a_fleet_takes_nothing_until_its_runtime_answer
     served: Served,
 ) -> None:
     """Its runtime child takes seconds to start; meanwhile the peer runs everything and the
-    newcomer claims nothing (and is not counted as capacity), then it takes its share."""
+    newcomer claims nothing, is not counted as capacity and is not ready; then it takes its
+    share. The child's first answer is held back for as long as the test looks (its warm-up
+    request reads dag_run, which the test locks), so the window does not depend on speed."""
     _, first_id = await served.one_holding(300, first_in=3600)
-    second = served.procs.consume(served.queue)
-    second_id = await served.consumer_id(second)
+    lock = await asyncpg.connect(served.dsn)
+    try:
+        await lock.execute("BEGIN; LOCK TABLE dag_run IN ACCESS EXCLUSIVE MODE")
+        port = free_port()
+        second = served.procs.consume(served.queue, metrics_port=port)
+        second_id = await served.consumer_id(second)
 
-    def log() -> str:
-        return served.procs.log(second)
+        def log() -> str:
+            return served.procs.log(second)
 
-    await wait_until(lambda: _now("taking nothing until our trigger runtime answers" in log()),
-                     30, message="the newcomer waits for its runtime")
-    while "taking triggers now: our trigger runtime is up" not in log():  # seconds
-        assert await served.all_owned_by(first_id, 300), "claimed before its runtime answered"
-        assert not await served.scalar(
-            "SELECT subscribed FROM triggerflow.consumer WHERE id = $1", second_id)
-        assert second.poll() is None, log()[-3000:]
-        await asyncio.sleep(0.1)
+        await wait_until(lambda: _now("taking nothing until our trigger runtime answers"
+                                      in log()), 30, message="the newcomer waits")
+        # Not ready meanwhile: a rolling update keeps the old pod until the new one is warm.
+        waiting = await probe_until(port, "/readyz", 503, containing="warm-up")
+        assert waiting["checks"]["warm-up"].startswith("taking nothing until"), waiting
+        for _ in range(20):  # two seconds of renewals and deliveries
+            assert await served.all_owned_by(first_id, 300), "claimed before its runtime answered"
+            assert not await served.scalar(
+                "SELECT subscribed FROM triggerflow.consumer WHERE id = $1", second_id)
+            await asyncio.sleep(0.1)
+        assert "taking triggers now" not in log() and second.poll() is None, log()[-3000:]
+    finally:
+        await lock.close()  # the warm-up's read goes through
+    await wait_until(lambda: _now("taking triggers now: our trigger runtime is up" in log()),
+                     60, message="the newcomer warm")
     assert "Airflow runtime answering" in log(), log()[-3000:]
+    assert (await probe_until(port, "/readyz", 200))["checks"]["warm-up"] == "ok"
     await wait_until(lambda: served.scalar(  # the peer's shed, claimed now
         "SELECT count(*) > 0 FROM triggerflow.trigger_state WHERE owner_id = $1", second_id),
         30, message="the newcomer takes its share once warm")

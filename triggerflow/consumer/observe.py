@@ -46,9 +46,10 @@ class ConsumerObserver:
         health.check("clock", c.lease.clock_check.problem)
         # Not ready while it waits beside a peer for its trigger runtime: a rolling update
         # keeps the old pod until the new one can run what the old one hands back.
-        health.check("warm-up", lambda: ("taking nothing until the trigger runtime answers "
-                                         "(a peer serves the queues meanwhile)")
-                     if c.admission.warming else None)
+        if c.warm_up is not None:  # a mode with a runtime to start (Airflow mode)
+            health.check("warm-up", lambda: ("taking nothing until the trigger runtime answers "
+                                             "(a peer serves the queues meanwhile)")
+                         if c.admission.warming else None)
 
     def stop(self) -> None:
         self.watchdog.stop()
