@@ -170,8 +170,9 @@ async def test_a_consumer_joining_a_fleet_takes_nothing_until_its_runtime_answer
         def log() -> str:
             return served.procs.log(second)
 
-        await wait_until(lambda: _now("taking nothing until our trigger runtime answers"
-                                      in log()), 30, message="the newcomer waits")
+        await wait_until(lambda: asyncio.sleep(0, "taking nothing until our trigger runtime "
+                                                  "answers" in log()), 30,
+                         message="the newcomer waits")
         # Not ready meanwhile: a rolling update keeps the old pod until the new one is warm.
         waiting = await probe_until(port, "/readyz", 503, containing="warm-up")
         assert waiting["checks"]["warm-up"].startswith("taking nothing until"), waiting
@@ -183,17 +184,13 @@ async def test_a_consumer_joining_a_fleet_takes_nothing_until_its_runtime_answer
         assert "taking triggers now" not in log() and second.poll() is None, log()[-3000:]
     finally:
         await lock.close()  # the warm-up's read goes through
-    await wait_until(lambda: _now("taking triggers now: our trigger runtime is up" in log()),
-                     60, message="the newcomer warm")
+    await wait_until(lambda: asyncio.sleep(0, "taking triggers now: our trigger runtime is up"
+                                              in log()), 60, message="the newcomer warm")
     assert "Airflow runtime answering" in log(), log()[-3000:]
     assert (await probe_until(port, "/readyz", 200))["checks"]["warm-up"] == "ok"
     await wait_until(lambda: served.scalar(  # the peer's shed, claimed now
         "SELECT count(*) > 0 FROM triggerflow.trigger_state WHERE owner_id = $1", second_id),
         30, message="the newcomer takes its share once warm")
-
-
-async def _now(value: bool) -> bool:
-    return value
 
 
 @pytest.mark.serial  # failed in make test's parallel stage at load 10-16 (docs/testing.md): alone

@@ -599,6 +599,34 @@ async def test_joining_beside_a_peer_waits_for_its_runtime_and_alone_does_not(
             assert set(joining.runner.running) | set(peer.runner.running) == set(ids)
 
 
+async def test_a_peer_leaving_ends_the_warm_up_at_once(mem: InMemory) -> None:
+    """The peer that served our queues closes its connection while our runtime is still
+    cold: we take triggers at once, not after its lease or our runtime (neither comes here)."""
+    s = fast_settings(renew_interval=5.0, lease_ttl=60.0)
+    serving = await mem.store.register(ProcessKind.CONSUMER, "h", 1, [QUEUE], 100, "v", ttl=60)
+    await mem.store.renew(serving, 60, 0, [QUEUE], subscribed=True)
+    peer = mem.transport()  # its broker connection, as presence sees it
+    await peer.connect()
+    assert await peer.watch_presence(lambda name: None)
+    joining = Consumer(s, mem.store, mem.transport(), warm_up=asyncio.Event())  # never set
+    async with running(joining):
+        await until(lambda: joining.admission.warming)
+        await peer.close()
+        await until(lambda: not joining.admission.warming, timeout=2.0)  # no renewal meanwhile
+        await until(lambda: not joining.subscriptions.paused)  # deliveries reach it again
+
+
+async def test_a_peer_whose_lease_expires_ends_the_warm_up(mem: InMemory) -> None:
+    """A frozen peer keeps its socket: our renewal that finds its lease expired ends the wait."""
+    frozen = await mem.store.register(ProcessKind.CONSUMER, "h", 1, [QUEUE], 100, "v", ttl=1.5)
+    await mem.store.renew(frozen, 1.5, 0, [QUEUE], subscribed=True)
+    joining = Consumer(fast_settings(), mem.store, mem.transport(), warm_up=asyncio.Event())
+    async with running(joining):
+        await until(lambda: joining.admission.warming)
+        await until(lambda: not joining.admission.warming, timeout=5.0)
+        assert frozen not in mem.store.processes or not mem.store._alive(frozen)
+
+
 async def test_a_lone_consumer_does_not_wait_for_its_runtime(mem: InMemory) -> None:
     s = fast_settings()
     alone = Consumer(s, mem.store, mem.transport(), warm_up=asyncio.Event())  # never set

@@ -58,6 +58,7 @@ class Room:
         self.room = room
         self.offered: list[tuple[str, list[int]]] = []
         self.adopted: list[tuple[Taker, list[TriggerSpec]]] = []
+        self.doubted: list[float] = []  # take-overs that failed and may have committed
 
     @contextlib.asynccontextmanager
     async def taking(self) -> AsyncIterator[Taker | None]:
@@ -69,6 +70,9 @@ class Room:
     def take_locally(self, queue: str, ids: list[int]) -> list[int]:
         self.offered.append((queue, ids))
         return ids[self.room:]
+
+    def unanswered(self, began: float) -> None:
+        self.doubted.append(began)
 
 
 @pytest.fixture
@@ -117,6 +121,21 @@ async def test_what_is_only_taken_over_is_logged_and_nothing_resent(
         assert await reaper(store, broker, Room(room=1)).reap_dead() == 1
     assert "reclaimed 1 triggers (1 taken over here) of dead consumers (a batch" in caplog.text
     assert all(not by_queue for by_queue, _ in broker.published)
+
+
+class ReplyLost(ScriptedStore):
+    async def reap_dead(self, *args: Any) -> Reaped:
+        self.calls.append(("reap_dead", args))
+        raise StoreUnavailable("connection lost after the take-over committed")
+
+
+async def test_a_take_over_whose_reply_was_lost_is_a_doubt() -> None:
+    room = Room(room=5)
+    before = asyncio.get_running_loop().time()
+    with pytest.raises(StoreUnavailable):
+        await reaper(ReplyLost(), RecordingBroker(), room).reap_dead()
+    assert len(room.doubted) == 1 and room.doubted[0] >= before  # began before the statement
+    assert room.adopted == []
 
 
 async def test_a_writers_reaper_covers_every_queue_and_takes_nothing() -> None:
