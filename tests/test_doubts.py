@@ -7,6 +7,9 @@ import asyncio
 import json
 from collections.abc import Sequence
 
+import pytest
+
+from tests.conftest import Counted
 from triggerflow.consumer.doubts import RETRY_MAX, Doubts, backoff
 from triggerflow.store import NewDeferral, ProcessKind, StoreUnavailable, TriggerRef
 from triggerflow.store.memory import MemoryStore
@@ -74,7 +77,11 @@ def now() -> float:
     return asyncio.get_running_loop().time()
 
 
-async def test_only_rows_taken_since_the_doubt_that_nothing_runs_are_handed_back() -> None:
+async def test_only_rows_taken_since_the_doubt_that_nothing_runs_are_handed_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    counted = Counted()
+    monkeypatch.setattr("triggerflow.consumer.doubts.get_metrics", lambda: counted)
     case = Case()
     await case.start()
     [old] = await case.take(1)
@@ -88,6 +95,7 @@ async def test_only_rows_taken_since_the_doubt_that_nothing_runs_are_handed_back
     assert await case.doubts.settle() == 1
     assert case.woken == [TriggerRef(lost, Q)]
     assert case.owner(lost) is None and case.doubts.freed == 1
+    assert counted.adds == [("released", 1, {"cause": "reply_lost"})]  # on the dashboards
     assert [case.owner(t) for t in (old, running, fired)] == [case.lease.me] * 3
     assert await case.doubts.settle() == 0  # settled: nothing is read again
 

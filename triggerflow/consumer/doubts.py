@@ -21,6 +21,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from triggerflow.consumer.admission import Admission
 from triggerflow.lease import Lease
 from triggerflow.store import ClaimStore, TriggerRef
+from triggerflow.telemetry import get_metrics
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +94,7 @@ class Doubts:
             log.warning("%d trigger(s) became ours in a claim whose reply was lost; "
                         "handing them back", len(refs))
             self.freed += len(refs)
+            get_metrics().released.add(len(refs), {"cause": "reply_lost"})
             await self.republish(refs)
         return len(refs)
 
