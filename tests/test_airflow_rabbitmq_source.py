@@ -18,12 +18,15 @@ import asyncpg
 import pytest
 
 import tests.airflow_support  # noqa: F401 - configures Airflow before it is imported
+from tests.airflow_support import airflow_3_3_only
 from tests.conftest import Counted, wait_until
 from triggerflow.model import EventKind
 from triggerflow.runner import Held, TriggerRunner
 from triggerflow.wire import encode_json
 
 CONN_ID = "tf_source_broker"
+
+pytestmark = airflow_3_3_only  # shared streams are Airflow 3.3's
 
 
 @pytest.fixture

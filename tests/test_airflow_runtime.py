@@ -23,6 +23,7 @@ from tests.airflow_support import (
     RUN_ID,
     airflow_db,
     airflow_env,
+    airflow_minor,
     airflow_template,
     dsn_of,
     prepare,
@@ -131,8 +132,9 @@ async def test_dag_run_task_xcom_and_variable_requests_answer_from_airflows_tabl
 
     await supervisor.asend(m.PutVariable(key="tf_put", value="v1", description=None))
     assert (await supervisor.asend(m.GetVariable(key="tf_put"))).value == "v1"
-    keys = await supervisor.asend(m.GetVariableKeys(prefix="tf_"))
-    assert sorted(keys.keys) == ["tf_put", VARIABLE]
+    if hasattr(m, "GetVariableKeys"):  # Airflow 3.3's request; 3.2 has none
+        keys = await supervisor.asend(m.GetVariableKeys(prefix="tf_"))
+        assert sorted(keys.keys) == ["tf_put", VARIABLE]
     await supervisor.asend(m.DeleteVariable(key="tf_put"))
     gone = await supervisor.asend(m.GetVariable(key="tf_put"))
     assert (type(gone).__name__, gone.error.value) == ("ErrorResponse", "VARIABLE_NOT_FOUND")
@@ -202,7 +204,10 @@ async def test_a_database_outage_fails_the_request_as_airflow_does_then_answers_
         with pytest.raises(AirflowRuntimeError) as raised:
             await count(dag_id=DAG_ID, run_ids=[RUN_ID])
         assert raised.value.error.error.value == "API_SERVER_ERROR"
-        assert raised.value.error.detail["detail"]["detail"]["reason"] == "Database error"
+        detail = raised.value.error.detail
+        assert detail["status_code"] == 500
+        if airflow_minor() != "3.2":  # 3.2's API server names no reason: "Internal server error"
+            assert detail["detail"]["detail"]["reason"] == "Database error"
     finally:
         await admin_sql(pg_server, f'ALTER DATABASE "{airflow_db}" ALLOW_CONNECTIONS true')
     assert await get(VARIABLE) == "from the metastore"

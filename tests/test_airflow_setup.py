@@ -18,6 +18,7 @@ from tests.airflow_support import airflow_db, airflow_template
 from triggerflow.airflow import heartbeat, schema
 from triggerflow.airflow import setup as airflow_setup
 from triggerflow.airflow.kwargs import encrypt_kwargs
+from triggerflow.airflow.store import AirflowStore
 
 __all__ = ["airflow_db", "airflow_template"]
 
@@ -47,10 +48,13 @@ async def fetch(dsn: str, sql: str) -> list[asyncpg.Record]:
         await conn.close()
 
 
-def test_known_revision_is_airflow_3_3_head() -> None:
+def test_known_revisions_are_the_heads_of_airflow_3_2_and_3_3() -> None:
     from airflow.utils.db import _REVISION_HEADS_MAP
 
-    assert schema.KNOWN_AIRFLOW_REVISIONS["3.3"] == _REVISION_HEADS_MAP["3.3.0"]
+    assert set(schema.KNOWN_AIRFLOW_REVISIONS) == {"3.2", "3.3"}
+    for release, revision in schema.KNOWN_AIRFLOW_REVISIONS.items():
+        if f"{release}.0" in _REVISION_HEADS_MAP:  # 3.2's map has no 3.3
+            assert revision == _REVISION_HEADS_MAP[f"{release}.0"], release
 
 
 async def test_setup_is_idempotent_and_teardown_leaves_airflow_as_it_was(airflow_db: str) -> None:
@@ -59,7 +63,7 @@ async def test_setup_is_idempotent_and_teardown_leaves_airflow_as_it_was(airflow
     for _ in range(2):
         done = triggerflow_cli("airflow", "setup", "--database-url", dsn)
         assert done.returncode == 0, done.stderr
-        assert "Airflow 3.3 schema" in done.stdout
+        assert f"Airflow {af.airflow_minor()} schema" in done.stdout
     assert await airflow_setup.installed(dsn) == (True, True)
     assert sorted(r["tgname"] for r in await fetch(dsn, PUBLIC_TRIGGERS)) == [
         "triggerflow_deferred_task_deleted", "triggerflow_notify_insert",
@@ -88,6 +92,10 @@ async def test_setup_refuses_an_unknown_airflow_schema(airflow_db: str) -> None:
     assert done.returncode == 1
     assert "Airflow schema revision ffffffffffff is not one triggerflow knows" in done.stderr
     assert await airflow_setup.installed(dsn) == (False, False)
+    # A writer or consumer refuses it too, before serving anything (its statements are per
+    # release: events.APPLY_FOR).
+    with pytest.raises(airflow_setup.UnknownAirflowSchema, match="ffffffffffff"):
+        await AirflowStore.connect(dsn)
 
 
 async def test_setup_refuses_a_database_without_airflow(dsn: str) -> None:

@@ -14,9 +14,12 @@ from typing import Any
 import pytest
 
 import tests.airflow_support  # noqa: F401 - configures Airflow before it is imported
+from tests.airflow_support import airflow_3_3_only
 from tests.conftest import wait_until
 from triggerflow.model import EventKind
 from triggerflow.runner import Held, TriggerRunner
+
+pytestmark = airflow_3_3_only  # shared streams are Airflow 3.3's
 
 
 async def test_watchers_on_one_directory_share_one_scan(

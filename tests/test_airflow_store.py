@@ -18,12 +18,14 @@ from tests import airflow_support as af
 from tests.airflow_support import airflow_db, airflow_template
 from tests.conftest import wait_until
 from triggerflow.airflow import wakeups
-from triggerflow.airflow.events import APPLY
+from triggerflow.airflow.events import APPLY_FOR
 from triggerflow.airflow.store import AirflowStore
 from triggerflow.store import KwargsProblem, ProcessKind
 from triggerflow.wire import Event
 
 __all__ = ["airflow_db", "airflow_template"]
+
+APPLY = APPLY_FOR[af.airflow_minor()]  # the statement this Airflow's store runs
 
 DATETIME_TRIGGER = "airflow.providers.standard.triggers.temporal.DateTimeTrigger"
 MOMENT = pendulum.datetime(2026, 11, 30, 12, tz="UTC")

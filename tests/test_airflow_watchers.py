@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import tests.airflow_support  # noqa: F401 - configures Airflow before it is imported
+from tests.airflow_support import airflow_3_3_only
 from tests.conftest import wait_until
 from triggerflow.runner import Held, TriggerRunner
 
@@ -46,6 +47,7 @@ async def test_every_step_of_a_watcher_has_its_portal_and_its_identity() -> None
     assert seen == [(True, 7)] * 3
 
 
+@airflow_3_3_only  # the asset state store is Airflow 3.3's
 async def test_each_start_gets_the_asset_state_store_of_the_assets_watched_then() -> None:
     """As Airflow's runner: an event trigger of a watcher row is given ``asset_state_store``
     over the row's watched assets, read at each start (a DAG may change them between two);

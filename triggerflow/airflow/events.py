@@ -65,7 +65,7 @@ class AirflowEvent:
     fired_at: float
 
 
-APPLY = f"""
+_APPLY = f"""
 WITH event AS (
     SELECT * FROM unnest($1::int[], $2::int[], $3::text[], $4::text[], $5::text[], $6::float8[])
         AS e(trigger_id, attempt, queue, kind, body, fired_at)
@@ -157,7 +157,7 @@ WITH event AS (
                    ',"map_index":', {_json("moved.map_index")},
                    ',"hostname":', {_json("moved.hostname")},
                    ',"context_carrier":', {_json("moved.context_carrier")},
-                   ',"queue":', {_json("moved.ti_queue")},
+                   {{ti_queue}}
                    '}},"task_callback_type":', to_json(moved.kind),
                    ',"context_from_server":null,"type":"TaskCallbackRequest"}}'))),
            d.bundle_name, 1, now()
@@ -166,20 +166,42 @@ WITH event AS (
     JOIN dag_run dr ON dr.dag_id = moved.dag_id AND dr.run_id = moved.run_id
     WHERE moved.kind IN ('success', 'failed')
 ), pushed AS (
-    INSERT INTO xcom (dag_run_id, task_id, map_index, key, dag_id, run_id, value, "timestamp",
-                      dag_result)
+    INSERT INTO xcom (dag_run_id, task_id, map_index, key, dag_id, run_id, value, "timestamp"
+                      {{xcom_columns}})
     SELECT dr.id, moved.task_id, moved.map_index, x.key, moved.dag_id, moved.run_id, x.value,
-           now(), false
+           now() {{xcom_values}}
     FROM moved
     JOIN dag_run dr ON dr.dag_id = moved.dag_id AND dr.run_id = moved.run_id
     CROSS JOIN LATERAL jsonb_each(moved.body -> 'xcoms') AS x(key, value)
     WHERE moved.kind IN {TASK_END_KINDS!r} AND jsonb_typeof(moved.body -> 'xcoms') = 'object'
     ON CONFLICT (dag_run_id, task_id, map_index, key)
-        DO UPDATE SET value = EXCLUDED.value, "timestamp" = EXCLUDED."timestamp",
-                      dag_result = EXCLUDED.dag_result
+        DO UPDATE SET value = EXCLUDED.value, "timestamp" = EXCLUDED."timestamp"
+                      {{xcom_updates}}
 )
 SELECT trigger_id, queue, kind, latency FROM moved
 """
+
+
+def _apply_for(release: str) -> str:
+    """``APPLY`` as Airflow ``release`` writes its rows. 3.3 over 3.2: ``xcom.dag_result``
+    (migration 0110; ``XComModel.set`` writes false there) and the ``queue`` of the task in a
+    ``TaskCallbackRequest``'s ``ti`` (3.2's model has none)."""
+    three_three = release == "3.3"
+    parts = {
+        "{xcom_columns}": ", dag_result" if three_three else "",
+        "{xcom_values}": ", false" if three_three else "",
+        "{xcom_updates}": ", dag_result = EXCLUDED.dag_result" if three_three else "",
+        "{ti_queue}": f"""',"queue":', {_json("moved.ti_queue")},""" if three_three else "",
+    }
+    sql = _APPLY
+    for marker, text in parts.items():
+        sql = sql.replace(marker, text)
+    return sql
+
+
+# Airflow release (schema.KNOWN_AIRFLOW_REVISIONS) -> its APPLY.
+APPLY_FOR = {release: _apply_for(release) for release in ("3.3", "3.2")}
+APPLY = APPLY_FOR["3.3"]
 
 # Trigger.clean_unused for the triggers of a batch: rows no task instance, asset watcher or
 # callback refers to. (task_instance.trigger_id cascades on delete, so the NOT EXISTS is what
@@ -204,7 +226,7 @@ def needs_airflow(events: Sequence[AirflowEvent], moved: set[int]) -> list[Airfl
 
 async def apply_events(conn: asyncpg.Connection, events: Sequence[AirflowEvent],
                        default_queue: str | None = None, *,
-                       clean: bool = True) -> list[asyncpg.Record]:
+                       clean: bool = True, release: str = "3.3") -> list[asyncpg.Record]:
     """Apply a batch in one transaction (two statements; one without ``clean``, when the
     caller runs ``CLEAN_UNUSED`` for these triggers later); returns a row per task that moved
     (``trigger_id``, ``queue``, ``kind``, ``latency`` seconds from fire to apply)."""
@@ -215,7 +237,7 @@ async def apply_events(conn: asyncpg.Connection, events: Sequence[AirflowEvent],
     events = sorted(events, key=lambda e: e.trigger_id)
     async with conn.transaction():
         rows: list[asyncpg.Record] = await conn.fetch(
-            APPLY,
+            APPLY_FOR[release],
             [e.trigger_id for e in events], [e.attempt for e in events],
             [e.queue for e in events], [e.kind for e in events], [e.body for e in events],
             [e.fired_at for e in events], default_queue,

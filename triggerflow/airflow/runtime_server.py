@@ -66,8 +66,9 @@ class Answerer:
     _subprocess_schema_version = None  # the trigger code runs this very Airflow
     _handle_request: Any = TriggerRunnerSupervisor._handle_request
     handle_requests: Any = WatchedSubprocess.handle_requests
-    _deserialize_request: Any = WatchedSubprocess._deserialize_request
-    _serialize_response: Any = WatchedSubprocess._serialize_response
+    # Airflow 3.3's request/response schema migration; 3.2's handle_requests calls neither.
+    _deserialize_request: Any = getattr(WatchedSubprocess, "_deserialize_request", None)
+    _serialize_response: Any = getattr(WatchedSubprocess, "_serialize_response", None)
     send_msg: Any = WatchedSubprocess.send_msg
 
     def __init__(self, client: Client, stdin: LockedSocket) -> None:

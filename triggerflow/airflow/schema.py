@@ -16,6 +16,7 @@ SCHEMA_VERSION = 5  # 5: the cancel log (cancels.py)
 # The SQL in this package was checked against these; anything else is refused.
 KNOWN_AIRFLOW_REVISIONS: dict[str, str] = {
     "3.3": "d2f4e1b3c5a7",  # heads of 3.3.0 .. 3.3.2 (airflow.utils.db._REVISION_HEADS_MAP)
+    "3.2": "1d6611b6ab7c",  # heads of 3.2.0 .. 3.2.2: no xcom.dag_result (events.APPLY_FOR)
 }
 
 # Ids per notification: a NOTIFY payload must stay under 8,000 bytes.

@@ -32,6 +32,7 @@ from triggerflow.airflow import cancels
 from triggerflow.airflow.events import CLEAN_UNUSED, AirflowEvent, needs_airflow
 from triggerflow.airflow.events import apply_events as apply_airflow_events
 from triggerflow.airflow.nontask import GONE_WATCHERS, NON_TASK_IDS
+from triggerflow.airflow.setup import check_airflow_schema
 from triggerflow.airflow.statements import claims, reaper, writer
 from triggerflow.airflow.statements.lease import LEASE
 from triggerflow.airflow.unused import UnusedTriggers
@@ -71,12 +72,13 @@ class AirflowStore(SqlStore):
     """
 
     def __init__(self, pool: asyncpg.Pool, dsn: str, default_queue: str | None = None,
-                 resume_delay: float = 0.0) -> None:
+                 resume_delay: float = 0.0, release: str = "3.3") -> None:
         # Renewals share the pool here (no lease_dsn): an Airflow consumer holds 1,000s.
         super().__init__(pool, LEASE, refused=_REFUSED)
         self.default_queue = default_queue
         self.resume_delay = resume_delay  # the scheduler race's hold (loader.AirflowCoroutine)
         self.dsn = dsn  # for the events Airflow's own code applies (orm.py)
+        self.airflow_release = release  # the Airflow minor whose schema this is (events.APPLY_FOR)
         # Applied batches' trigger rows, deleted after the burst (see unused.py).
         self._applying = 0  # batches in _apply now
         self.unused = UnusedTriggers(self._clean_unused_of, busy=lambda: self._applying > 0)
@@ -100,7 +102,13 @@ class AirflowStore(SqlStore):
                 server_settings={**session_settings("triggerflow-airflow",
                                                     lock_timeout=lock_timeout),
                                  **cancels.ORIGIN})
-        store = cls(pool, dsn, default_queue, resume_delay)
+        try:
+            async with pool.acquire() as conn:
+                release = await check_airflow_schema(conn)
+        except BaseException:
+            await pool.close()
+            raise
+        store = cls(pool, dsn, default_queue, resume_delay, release)
         store.lock_timeout = lock_timeout
         return store
 
@@ -244,7 +252,8 @@ class AirflowStore(SqlStore):
                     batch = [e for e in batch if e.trigger_id not in held]
                 # One event per attempt moves a task; every event of a non-task row counts.
                 firsts = first_per_attempt(batch)
-                rows = await apply_airflow_events(conn, firsts, self.default_queue, clean=False)
+                rows = await apply_airflow_events(conn, firsts, self.default_queue, clean=False,
+                                                  release=self.airflow_release)
                 moved = {r["trigger_id"] for r in rows}
                 # Resumes that moved no task: those of asset-watcher and callback rows go to
                 # Airflow's own Trigger.submit_event (the rest were stale).

@@ -61,6 +61,8 @@ def workload(trigger_id: int) -> RunTrigger | None:
         row = Trigger.bulk_fetch([trigger_id], session=session).get(trigger_id)
         if row is None or row.task_instance is None:
             return None
+        if not hasattr(TriggerRunnerSupervisor, "_create_workload"):
+            return _workload_3_2(row)
         made: RunTrigger | None = TriggerRunnerSupervisor._create_workload(
             supervisor,  # type: ignore[arg-type]
             trigger=row,
@@ -71,13 +73,27 @@ def workload(trigger_id: int) -> RunTrigger | None:
         return made
 
 
+def _workload_3_2(row: Any) -> RunTrigger | None:
+    """Airflow 3.2 builds the ``RunTrigger`` inline in ``update_triggers``: the same here (no
+    ``dag_data``, as 3.2 has no ``start_from_trigger``)."""
+    from airflow.executors.workloads.task import TaskInstanceDTO
+
+    ti = row.task_instance
+    if not ti.dag_version_id:  # skipped, as 3.2's triggerer skips it
+        return None
+    return RunTrigger(classpath=row.classpath, id=row.id, encrypted_kwargs=row.encrypted_kwargs,
+                      ti=TaskInstanceDTO.model_validate(ti, from_attributes=True),
+                      timeout_after=ti.trigger_timeout)
+
+
 def attach(trigger: Any, work: RunTrigger) -> Any:
     """Set ``task_instance`` and ``timeout_after`` on the trigger as Airflow's runner does;
     returns the template context to render with (``start_from_trigger`` tasks), else None."""
     context: Any = None
     if work.ti is not None:
-        if work.dag_data:
-            runtime_ti = TriggerRunner.create_runtime_ti(work.ti, work.dag_data, work.dag_run_data or {})
+        dag_data = getattr(work, "dag_data", None)  # Airflow 3.2's RunTrigger has none
+        if dag_data:
+            runtime_ti = TriggerRunner.create_runtime_ti(work.ti, dag_data, work.dag_run_data or {})
             context = runtime_ti.get_template_context()
             trigger.task_instance = runtime_ti
         else:

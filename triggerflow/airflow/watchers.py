@@ -83,7 +83,8 @@ def shared_key(trigger: Any) -> Hashable | None:
     """The shared stream ``trigger`` reads, or None: it runs its own ``run()``."""
     from airflow.triggers.base import BaseEventTrigger
 
-    if not isinstance(trigger, BaseEventTrigger):
+    # Airflow 3.2's BaseEventTrigger has no shared streams: every trigger runs its own run().
+    if not isinstance(trigger, BaseEventTrigger) or not hasattr(trigger, "shared_stream_key"):
         return None
     try:
         return trigger.shared_stream_key()
@@ -197,6 +198,10 @@ class WatcherCoroutine(BaseTrigger):
         if self.assets_of is None or not isinstance(trigger, BaseEventTrigger):
             return
         try:
+            from airflow.sdk.execution_time.context import AssetStateStoreAccessors
+        except ImportError:  # Airflow 3.2: no asset state store
+            return
+        try:
             assets = await asyncio.to_thread(self.assets_of, int(self.trigger_id or 0))
         except Exception as exc:  # runs without one (as a row that watches none); next start reads again
             log.warning("trigger %s (ID %s): its watched assets not read (%r); no "
@@ -205,7 +210,6 @@ class WatcherCoroutine(BaseTrigger):
             return
         if assets:
             from airflow.sdk.definitions.asset import Asset
-            from airflow.sdk.execution_time.context import AssetStateStoreAccessors
 
             trigger.asset_state_store = AssetStateStoreAccessors(
                 inlets=[Asset(name=name, uri=uri) for name, uri in assets.items()])
