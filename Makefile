@@ -102,7 +102,7 @@ $(AF_VENV)/.installed: pyproject.toml
 	test -x $(AF_VENV)/bin/python || python3 -m venv $(AF_VENV)
 	$(AF_VENV)/bin/pip install 'apache-airflow==$(AIRFLOW_VERSION)' \
 		'apache-airflow-providers-standard==$(STANDARD_PROVIDER)' 'psycopg2-binary>=2.9' \
-		$(AIRFLOW_PINS)
+		'apache-airflow-providers-http==6.3.0' $(AIRFLOW_PINS)
 	$(AF_VENV)/bin/pip install -e '.[dev]'
 	$(AF_VENV)/bin/pip check
 	touch $@
@@ -112,12 +112,15 @@ test-airflow-version: $(AF_VENV)/.installed
 
 # The second Airflow minor .ci/run tests (docs/airflow.md, "Supported versions"): with Airflow
 # 3.2.2's code and schema, every in-process Airflow test (those of 3.3-only features skip),
-# in the stages of `make test`, then the real-stack e2e module (Airflow's triggerer, then
-# triggerflow, on the same DAGs).
+# in the stages of `make test`, then six real-stack modules (each case under Airflow's
+# triggerer, then triggerflow, on the same DAGs).
 AF32 = $(MAKE) --no-print-directory test-airflow-version AIRFLOW_VERSION=3.2.2
+AIRFLOW_3_2_STACK ?= tests/test_airflow_e2e.py tests/test_airflow_race.py \
+	tests/test_airflow_cancel_e2e.py tests/test_airflow_ops_e2e.py \
+	tests/test_airflow_runtime_e2e.py tests/test_airflow_assets.py
 test-airflow-3.2:
 	@status=0; \
 	$(call stage,$(AF32) AIRFLOW_TESTS="tests/ -k airflow -n $(TEST_WORKERS) --dist loadgroup -m 'not serial and not airflow_stack'"); \
 	$(call stage,$(AF32) AIRFLOW_TESTS="tests/ -k airflow -m 'serial and not airflow_stack'"); \
-	$(call stage,$(AF32) AIRFLOW_TESTS=tests/test_airflow_e2e.py); \
+	$(call stage,$(AF32) AIRFLOW_TESTS="$(AIRFLOW_3_2_STACK)"); \
 	exit $$status

@@ -12,6 +12,7 @@ Importing this module imports Airflow (``triggerflow[airflow]``).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import time
@@ -88,7 +89,8 @@ class AirflowCoroutine(BaseTrigger):
             except StopAsyncIteration:
                 raise  # the runner's "exited without sending an event"
             except asyncio.CancelledError:
-                if KILLS.take(self.trigger_id):  # its task ended, before its timeout
+                # its task ended, before its timeout (taken from KILLS on every release)
+                if KILLS.take(self.trigger_id) and _calls_on_kill():
                     await self._on_kill()
                 raise
             except Exception as exc:
@@ -136,6 +138,16 @@ class AirflowCoroutine(BaseTrigger):
             pass  # cancelled again (shutdown) while in on_kill: the first cancel goes on
         except Exception:
             log.warning("on_kill() of trigger %s raised", self.trigger_id, exc_info=True)
+
+
+@functools.cache
+def _calls_on_kill() -> bool:
+    """Airflow's triggerer calls a cancelled trigger's ``on_kill()`` from 3.3 on; 3.2's never
+    does, so on 3.2 neither does triggerflow (its oracle is 3.2's triggerer)."""
+    from airflow import __version__
+
+    major, minor = (int(part) for part in __version__.split(".")[:2])
+    return (major, minor) >= (3, 3)
 
 
 def _on_kill_timeout() -> int:
