@@ -31,6 +31,7 @@ import pytest
 
 from tests.airflow_stack import AirflowStack
 from tests.conftest import FAST, admin_sql, drop_database_sql
+from triggerflow.airflow.schema import installed_release
 
 AIRFLOW_TEMPLATE = f"tf_airflow_template_{os.getpid()}"
 # A fixed test key: rows encrypted by Airflow's code in a test decrypt with the same key.
@@ -60,9 +61,7 @@ class _Server:
 
 def airflow_minor() -> str:
     """The Airflow minor installed here, "3.3" (``make test-airflow-version`` runs others)."""
-    from importlib.metadata import version
-
-    return ".".join(version("apache-airflow-core").split(".")[:2])
+    return installed_release()
 
 
 # A feature Airflow 3.2 does not have (shared streams, the asset state store): its tests run

@@ -26,6 +26,7 @@ from triggerflow.airflow.cancels import KILLS
 from triggerflow.airflow.codec import Encoded, encode_event, failure_body
 from triggerflow.airflow.kwargs import load_trigger_class
 from triggerflow.airflow.runtime import CURRENT_TRIGGER
+from triggerflow.airflow.schema import installed_release
 from triggerflow.airflow.timers import as_timer
 from triggerflow.airflow.watchers import watcher
 from triggerflow.loader import AllowedClasses, Disallowed, Unloadable
@@ -144,10 +145,7 @@ class AirflowCoroutine(BaseTrigger):
 def _calls_on_kill() -> bool:
     """Airflow's triggerer calls a cancelled trigger's ``on_kill()`` from 3.3 on; 3.2's never
     does, so on 3.2 neither does triggerflow (its oracle is 3.2's triggerer)."""
-    from airflow import __version__
-
-    major, minor = (int(part) for part in __version__.split(".")[:2])
-    return (major, minor) >= (3, 3)
+    return installed_release() != "3.2"
 
 
 def _on_kill_timeout() -> int:

@@ -19,6 +19,16 @@ KNOWN_AIRFLOW_REVISIONS: dict[str, str] = {
     "3.2": "1d6611b6ab7c",  # heads of 3.2.0 .. 3.2.2: no xcom.dag_result (events.APPLY_FOR)
 }
 
+
+
+def installed_release() -> str:
+    """The Airflow minor installed beside triggerflow ("3.3"), read without importing it: where
+    Airflow's triggerer itself differs between minors, triggerflow does as the installed one."""
+    from importlib.metadata import version
+
+    return ".".join(version("apache-airflow-core").split(".")[:2])
+
+
 # Ids per notification: a NOTIFY payload must stay under 8,000 bytes.
 NOTIFY_CHUNK = 500
 
