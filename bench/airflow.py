@@ -40,6 +40,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from bench.airflow_floor import row_change, writer_db_time
 from bench.airflow_seed import bench_dag
 from bench.airflow_serve import (
     QUEUE,
@@ -48,7 +49,7 @@ from bench.airflow_serve import (
     serve_with_airflow_triggerer,
     serve_with_triggerflow,
 )
-from bench.airflow_waiting import waiting
+from bench.airflow_waiting import PROCESS_ROLES, waiting
 from bench.common import dist, median_of, with_checkout
 from tests.airflow_stack import AirflowStack
 
@@ -146,8 +147,12 @@ def measure(server_url: str, n: int, limit: float, log: Any = print,
         log(f"airflow bench N={n:,} ({served.name}): migrated in {migrate_s:.1f}s")
         waited = None
         if window is not None:  # first: a consumer whose memory no burst has touched yet
+            from triggerflow.settings import Settings
+
+            lanes = Settings.model_fields["writer_concurrency"].default
             waited = waiting(db, n, window, lambda k, lead: seed_rows(stack, k, lead),
-                             lambda: _tree_rss(pgid), log)
+                             lambda: _tree_rss(pgid), log,
+                             floor=lambda run_id: row_change(stack.database_url, run_id, lanes))
         runs: list[dict[str, Any]] = []
         for i in range(repeats):
             allowance = 1.5 * runs[-1]["defer_s"] if runs else n / 1000
@@ -179,6 +184,8 @@ def _burst(stack: AirflowStack, db: _Db, served: Served, n: int, limit: float, p
         f"{seeded['create_s']:.1f}s, deferred in {seeded['defer_s']:.1f}s; lead {lead:.1f}s")
     before = db.statements()
     own_before = db.own
+    writer_role = PROCESS_ROLES["tf-writer"] if served.name == TRIGGERFLOW.name else None
+    writer_before = writer_db_time(db, writer_role) if writer_role else 0.0
     # Held and RSS just before the instant: a fast burst has let go of its triggers by
     # the first poll after it.
     while (instant - datetime.now(UTC)).total_seconds() > 0.15:
@@ -200,6 +207,7 @@ def _burst(stack: AirflowStack, db: _Db, served: Served, n: int, limit: float, p
         "WHERE run_id = %s AND state = 'scheduled'", instant, seeded["run_id"])]
     applied = len(lat)
     statements = None if before is None or after is None else after - before - (db.own - own_before)
+    writer_ms = writer_db_time(db, writer_role) - writer_before if writer_role else None
     return {
         "served_by": served.name, "n": n, "applied": applied, "limit_s": limit, "lead_s": lead,
         "create_s": seeded["create_s"], "defer_s": seeded["defer_s"],
@@ -209,6 +217,7 @@ def _burst(stack: AirflowStack, db: _Db, served: Served, n: int, limit: float, p
         "bytes_per_held_trigger": (rss_at - rss_empty) / held if held else None,
         "statements": statements,
         "statements_per_event": statements / applied if statements and applied else None,
+        "writer_us_per_event": writer_ms * 1000 / applied if writer_ms and applied else None,
     }
 
 

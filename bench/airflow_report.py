@@ -80,9 +80,21 @@ def table_targets(rows: list[dict[str, Any]], native: dict[int, dict[str, Any]],
     if n in ours and n in native:
         mine, base = ours[n]["all_applied_s"], native[n]["all_applied"]
         ratio = mine / base if mine and base else None
-        t.add_row(f"{n:,} at one instant, all scheduled, vs native mode's {n:,} burst",
-                  f"{ms(mine)} vs {ms(base)} = {num(ratio, 2)}x", "≤ 2x",
-                  verdict(None if ratio is None else ratio <= 2))
+        for target in (2.0, 1.3):  # issue 9's, then issue 18's
+            t.add_row(f"{n:,} at one instant, all scheduled, vs native mode's {n:,} burst",
+                      f"{ms(mine)} vs {ms(base)} = {num(ratio, 2)}x", f"≤ {target:g}x",
+                      verdict(None if ratio is None else ratio <= target))
+        ours_us, native_us = ours[n].get("writer_us_per_event"), native[n].get("writer_us_per_event")
+        if ours_us and native_us:
+            t.add_row(f"writer's database time per event in the {n:,} burst, vs native mode's",
+                      f"{ours_us:.1f} µs vs {native_us:.1f} µs = {ours_us / native_us:.1f}x", "", "")
+    floor = (ours.get(waiting_n, {}).get("waiting") or {}).get("floor")
+    if floor and floor["rows"] and n in native and native[n]["all_applied"]:
+        wall = floor["wall_s"]
+        t.add_row(f"Airflow's bare row change of {floor['rows']:,} deferred tasks alone "
+                  f"({floor['lanes']} connections, rolled back), vs native mode's whole burst",
+                  f"{ms(wall)} = {wall / native[n]['all_applied']:.2f}x "
+                  f"({floor['us_per_row']:.1f} µs/row)", "", "")
     for size in sorted(ours):
         if size in theirs:
             text, factor = speedup(theirs[size], ours[size])
@@ -98,7 +110,12 @@ def table_targets(rows: list[dict[str, Any]], native: dict[int, dict[str, Any]],
                       f"{rate:.2f}", "≤ 2 /s", verdict(rate <= 2))
     t.caption = ("RSS per waiting trigger = growth of the consumer's RSS from before the rows "
                  "to all held (settled), / N. Statements: pg_stat_statements calls of each "
-                 "process's own database role over the window, after ANALYZE, nothing firing.")
+                 "process's own database role over the window, after ANALYZE, nothing firing. "
+                 "Database time: pg_stat_statements total_exec_time of the writer's role from "
+                 "before the instant to all applied, / events. The bare row change: what every "
+                 "server of Airflow's rows writes per event (state, trigger_id, next_kwargs, "
+                 "scheduled_dttm, updated_at) as one UPDATE per connection of the waiting rows "
+                 "(bench/airflow_floor.py).")
     return t
 
 

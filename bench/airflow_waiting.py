@@ -83,12 +83,15 @@ def _hold(db: Any, total: int) -> None:
 
 
 def waiting(db: Any, n: int, window: float, seed: Callable[[int, float], dict[str, Any]],
-            rss: Callable[[], int], log: Callable[[str], None]) -> dict[str, Any]:
+            rss: Callable[[], int], log: Callable[[str], None],
+            floor: Callable[[str], dict[str, Any]] | None = None) -> dict[str, Any]:
     """Seed ``n`` rows an hour ahead; once held, statements/s per process over ``window``
     seconds; then ``n`` more, and the RSS growth over those is the memory per waiting trigger
     (the first ``n`` paid the one-time costs: Airflow's trigger modules, the Fernet key).
     ``db`` is the bench's connection (``airflow._Db``), ``seed(n, lead)`` seeds rows (the
-    bench DAG maps exactly ``n``), ``rss()`` reads the consumer's resident memory."""
+    bench DAG maps exactly ``n``), ``rss()`` reads the consumer's resident memory; ``floor``,
+    given the first ``n`` rows' run id while they wait, measures on them what is rolled back
+    (``airflow_floor.row_change``)."""
     first = seed(n, 3600.0)
     _hold(db, n)
     db.one("ANALYZE")  # as autovacuum would have by now
@@ -105,6 +108,11 @@ def waiting(db: Any, n: int, window: float, seed: Callable[[int, float], dict[st
     log(f"airflow bench: {n:,} waiting: "
         + ", ".join(f"{name} {c / elapsed:.2f} statements/s" for name, c in calls.items())
         + f"; {(rss_held - rss_before) / n:.0f} B RSS per waiting trigger")
+    floored = floor(first["run_id"]) if floor is not None else None
+    if floored is not None and floored["rows"]:
+        log(f"airflow bench: the bare row change of {floored['rows']:,} waiting task instances "
+            f"on {floored['lanes']} connections took {floored['wall_s'] * 1000:.1f} ms "
+            f"({floored['us_per_row']:.1f} µs of database time per row, rolled back)")
     db.one("UPDATE task_instance SET state = 'skipped' WHERE run_id = ANY(%s)",
            [first["run_id"], second["run_id"]])
     deadline = time.monotonic() + 120
@@ -113,4 +121,4 @@ def waiting(db: Any, n: int, window: float, seed: Callable[[int, float], dict[st
     return {"n": n, "window_s": elapsed, "rss_before": rss_before, "rss_held": rss_held,
             "bytes_per_waiting_trigger": (rss_held - rss_before) / n,
             "statements_per_s": {name: c / elapsed for name, c in calls.items()},
-            "by_statement": by_statement}
+            "by_statement": by_statement, "floor": floored}

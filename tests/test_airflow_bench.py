@@ -105,6 +105,11 @@ def test_bench_airflow_quick_serves_identical_rows_both_ways(
     waited = ours["waiting"]  # statements counted under each process's own role
     assert waited["n"] == QUICK_N and set(waited["statements_per_s"]) == {"tf-writer", "tf-consume"}
     assert all(rate > 0 for rate in waited["statements_per_s"].values()), waited  # renewals
+    # The floor: the bare row change of the waiting rows, rolled back (they were then skipped).
+    assert waited["floor"]["rows"] == QUICK_N and waited["floor"]["wall_s"] > 0, waited["floor"]
+    assert ours["writer_us_per_event"] > 0, ours  # the writer's own database time
+    assert raw["native"][str(QUICK_N)]["writer_us_per_event"] > 0, raw["native"]
+    assert "bare row change" in out, out[-4000:]
     # The runtime table: every LatencyTrigger's requests timed under both servers.
     runtime = {(r["served_by"], r["request"]): r for r in raw["runtime"]}
     for server in ("airflow triggerer", "triggerflow"):

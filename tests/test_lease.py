@@ -82,7 +82,8 @@ class ScriptedStore:
     async def unregister(self, me: int) -> None:
         self.unregistered.append(me)
 
-    async def renew(self, *args: Any, subscribed: bool, clock_skew: float | None = None) -> Renewal | None:
+    async def renew(self, *args: Any, subscribed: bool, clock_skew: float | None = None,
+                    warming: bool = False) -> Renewal | None:
         self.renew_args.append((*args, subscribed))
         answer = self.renewals.pop(0)
         if isinstance(answer, Exception):

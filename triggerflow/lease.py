@@ -121,7 +121,8 @@ class Lease:
                  extra={"consumer_id": self.me})
         return self.me
 
-    async def renew(self, running: int, *, subscribed: bool = True) -> Renewal:
+    async def renew(self, running: int, *, subscribed: bool = True,
+                    warming: bool = False) -> Renewal:
         """Extend the lease before the deadline; raises LeaseLost when that is impossible
         (expired in the store, overdue, or the store answered too late) and StoreError when
         the store failed this once (the next renewal may still make it). ``subscribed``:
@@ -141,7 +142,8 @@ class Lease:
             async with asyncio.timeout(remaining):
                 result = await self.store.renew(self.me, self.ttl, running, self.queues,
                                                 subscribed=subscribed,
-                                                clock_skew=self.clock_check.skew)
+                                                clock_skew=self.clock_check.skew,
+                                                warming=warming)
         except TimeoutError:
             self._stored(TimeoutError("renewal timed out"))
             self.renewed_at = None

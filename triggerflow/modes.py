@@ -2,7 +2,8 @@
 
 A :class:`Mode` owns the store it connects, the loader and event encoding of its consumers,
 what runs beside a writer (Airflow mode: LISTEN wake-ups, the backstop, the triggerer
-heartbeat), the writer's reaper scope and where the queue gauges read their numbers. The
+heartbeat), the writer's reaper scope and where the queue gauges and ``status`` read their
+numbers. The
 composition root (``wiring``) picks one with :func:`mode_for` and hands its parts to the
 same loops; nothing else asks which mode it is in.
 
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
     from triggerflow.store import SdkStore, ServingStore
     from triggerflow.store.gauges import GaugeSource
     from triggerflow.store.postgres import PostgresStore
+    from triggerflow.store.postgres.admin import StatusStatements
     from triggerflow.transport import Transport
 
 StoreT = TypeVar("StoreT", bound="ServingStore")
@@ -66,6 +68,10 @@ class Mode(Protocol[StoreT]):
     def serving_writer(self, store: StoreT, transport: Transport, reaper: Reaper,
                        stop: asyncio.Event) -> AbstractAsyncContextManager[object]:
         """Entered around a writer's run: the tasks that run beside it."""
+        ...
+
+    def status_statements(self) -> StatusStatements:
+        """What ``triggerflow status`` reads, in this mode's tables."""
         ...
 
     async def connect_gauges(self) -> GaugeSource:
@@ -119,6 +125,11 @@ class NativeMode:
     def serving_writer(self, store: PostgresStore, transport: Transport, reaper: Reaper,
                        stop: asyncio.Event) -> AbstractAsyncContextManager[object]:
         return contextlib.nullcontext()
+
+    def status_statements(self) -> StatusStatements:
+        from triggerflow.store.postgres.admin import NATIVE_STATUS
+
+        return NATIVE_STATUS
 
     async def connect_gauges(self) -> GaugeSource:
         from triggerflow.store.postgres.gauges import SqlGauges

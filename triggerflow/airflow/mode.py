@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     from triggerflow.loader import Loader
     from triggerflow.store import SdkStore
     from triggerflow.store.gauges import GaugeSource
+    from triggerflow.store.postgres.admin import StatusStatements
 
 log = logging.getLogger(__name__)
 
@@ -169,6 +170,15 @@ class AirflowMode:
             side.start("airflow-listen", wakeups.listen(settings.database_dsn(), wake.deliver, stop))
             side.start("airflow-backstop", backstop(store, reaper, transport, interval, wake))
             yield
+
+    def status_statements(self) -> StatusStatements:
+        from triggerflow.airflow.statements import status as sql
+        from triggerflow.store.postgres.admin import StatusStatements as Statements
+
+        default = self.settings.default_queue
+        return Statements(sql.CONSUMERS, sql.WRITERS, sql.QUEUES, sql.OVERDUE,
+                                sql.QUARANTINED, queue_args=(default, list(self.settings.queues)),
+                                quarantined_args=(default,))
 
     async def connect_gauges(self) -> GaugeSource:
         from triggerflow.airflow.statements import gauges as sql

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 SCHEMA = "triggerflow"
 NOTIFY_CHANNEL = "triggerflow_airflow_trigger"
-SCHEMA_VERSION = 5  # 5: the cancel log (cancels.py)
+SCHEMA_VERSION = 6  # 5: the cancel log (cancels.py); 6: consumer.warming
 
 # Airflow release -> head of its alembic migrations (``alembic_version.version_num``).
 # The SQL in this package was checked against these; anything else is refused.
@@ -60,7 +60,9 @@ CREATE TABLE IF NOT EXISTS {SCHEMA}.consumer (
     -- (registrations write false; true is for rows of processes older than the column)
     subscribed boolean NOT NULL DEFAULT true,
     -- its clock minus the database's, seconds, as it last measured (NULL: not yet)
-    clock_skew double precision
+    clock_skew double precision,
+    -- waiting for its trigger runtime beside a peer, unsubscribed on purpose (status)
+    warming boolean NOT NULL DEFAULT false
 );
 -- schema versions 2-4: a schema set up earlier gains the columns in place
 ALTER TABLE {SCHEMA}.consumer ADD COLUMN IF NOT EXISTS subscribed boolean NOT NULL DEFAULT true;
@@ -68,6 +70,8 @@ ALTER TABLE {SCHEMA}.consumer ADD COLUMN IF NOT EXISTS clock_skew double precisi
 -- schema version 4: the broker presence queue of the consumer's current connection (null:
 -- unknown, the lease alone decides)
 ALTER TABLE {SCHEMA}.consumer ADD COLUMN IF NOT EXISTS presence text;
+-- schema version 6: a consumer warming up is unsubscribed on purpose (status, gauges)
+ALTER TABLE {SCHEMA}.consumer ADD COLUMN IF NOT EXISTS warming boolean NOT NULL DEFAULT false;
 
 -- Bookkeeping per Airflow trigger row (keyed by Airflow's trigger.id, no foreign key: a
 -- foreign key would put triggers of ours on Airflow's table; orphans are reaped instead).

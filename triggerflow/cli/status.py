@@ -48,7 +48,7 @@ def _render_status(report: dict[str, Any]) -> None:
         c.add_row(str(p["id"]), p["kind"], p["host"], str(p["pid"]), ",".join(p["queues"]),
                   str(p["running"]), str(p["capacity"]),
                   p["renewed_at"].strftime("%H:%M:%S.%f")[:-3], skew,
-                  "yes" if p["alive"] else "NO")
+                  ("yes (warming up)" if p["warming"] else "yes") if p["alive"] else "NO")
     console.print(c)
     _render_writers(console, report)
     if report["quarantined"]:
@@ -168,7 +168,8 @@ def register(main: click.Group) -> None:
     connection = CONNECTION
 
     @main.command()
-    @settings_options(*connection, "queues", "management_url", "lease_ttl", "max_clock_skew")
+    @settings_options(*connection, "queues", "management_url", "lease_ttl", "max_clock_skew",
+                      "airflow", "default_queue")
     @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
     @click.option("--ids", "ids_in", type=click.Choice(ID_STATES), default=None,
                   help="Only list the ids of triggers in this state (of the --queue queues, "
@@ -180,15 +181,24 @@ def register(main: click.Group) -> None:
 
         Exit 3 when something needs attention: a team queue in the broker, a queue with
         triggers, or one named by --queue, with no live consumer; no live writer; a live
-        consumer well below capacity that is not subscribed on the broker; dead letters;
+        consumer well below capacity that is not subscribed on the broker (one warming up,
+        waiting for its trigger runtime beside a peer, is listed as such instead); dead letters;
         triggers held by dead owners; quarantined triggers; deferred tasks past their
         timeout; a live consumer whose clock is off the database's by more than
-        --max-clock-skew (it runs nothing); an unreachable broker or management API."""
+        --max-clock-skew (it runs nothing); an unreachable broker or management API.
+
+        With --airflow: the same of triggerflow's part of an Airflow deployment (its leases
+        and bookkeeping beside Airflow's rows; queues Airflow's own triggerer serves are not
+        listed). --ids is native mode's (it feeds requeue and unquarantine)."""
         from triggerflow.cli.status_report import collect_status, trigger_ids
         from triggerflow.redact import Redactor
 
         settings = build_settings(values)
         redact = Redactor(settings)
+        if ids_in is not None and settings.airflow:
+            raise click.UsageError("--ids lists native mode's triggers (for requeue and "
+                                   "unquarantine, which Airflow mode does not have); drop "
+                                   "--airflow, or --ids")
         # A failure here (database down, login refused) is the root handler's one line,
         # which names the setting to check.
         if ids_in is not None:

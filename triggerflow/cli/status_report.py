@@ -32,25 +32,20 @@ def most_consumers(first: dict[str, QueueInfo | None],
 
 async def collect_status(settings: Settings) -> dict[str, Any]:
     """Queues, processes, overdue and quarantined triggers, and the problems among them."""
-    from triggerflow.store.postgres.admin import (
-        QUARANTINED,
-        STATUS_CONSUMERS,
-        STATUS_OVERDUE,
-        STATUS_QUEUES,
-        STATUS_WRITERS,
-    )
+    from triggerflow.modes import mode_for
     from triggerflow.transport.rabbitmq import Topology
     from triggerflow.wiring import admin_database
 
     redact = Redactor(settings)
     topology = Topology(settings.namespace)
+    sql = mode_for(settings).status_statements()
     db = await admin_database(settings)
     try:
-        process_rows: list[Any] = await db.fetch(STATUS_CONSUMERS)
-        writer_rows: list[Any] = await db.fetch(STATUS_WRITERS)
-        queue_rows: list[Any] = await db.fetch(STATUS_QUEUES)
-        overdue = await db.fetchval(STATUS_OVERDUE)
-        quarantine_rows: list[Any] = await db.fetch(QUARANTINED)
+        process_rows: list[Any] = await db.fetch(sql.consumers)
+        writer_rows: list[Any] = await db.fetch(sql.writers)
+        queue_rows: list[Any] = await db.fetch(sql.queues, *sql.queue_args)
+        overdue = await db.fetchval(sql.overdue)
+        quarantine_rows: list[Any] = await db.fetch(sql.quarantined, *sql.quarantined_args)
     finally:
         await db.close()
     consumers = [dict(r) for r in process_rows]
@@ -104,8 +99,10 @@ async def collect_status(settings: Settings) -> dict[str, Any]:
     problems += [f"consumer {c['id']} on {c['host']} (pid {c['pid']}): clock "
                  f"{c['clock_skew']:+.1f}s off the database's (max_clock_skew {bound:g}s); "
                  "it runs no trigger until its clock is fixed" for c in skewed]
-    # a skewed consumer unsubscribes on purpose: named above, not as unsubscribed
-    checked = [c for c in consumers if c not in skewed]
+    # a skewed consumer unsubscribes on purpose: named above, not as unsubscribed; so does
+    # one warming up beside a peer until its trigger runtime answers (listed, no problem)
+    warming = [c for c in consumers if c["alive"] and c["kind"] == "consumer" and c["warming"]]
+    checked = [c for c in consumers if c not in skewed and c not in warming]
     grace = settings.lease_ttl.total_seconds()
     unsubscribed = not_subscribed(checked, subscribed, broker_info, grace)
     if unsubscribed:
@@ -131,6 +128,7 @@ async def collect_status(settings: Settings) -> dict[str, Any]:
         q["last_error"] = redact(q["last_error"]) if q["last_error"] else q["last_error"]
     return {"queues": report_queues, "events": events, "dead_letters": dead,
             "writers": writers, "consumers": consumers, "not_subscribed": unsubscribed,
+            "warming": [c["id"] for c in warming],
             "overdue_tasks": overdue, "quarantined": quarantined, "problems": problems}
 
 

@@ -314,7 +314,8 @@ class Consumer:
             renewal = await self.lease.renew(
                 len(self.runner),
                 subscribed=(self.subscriptions.connected.is_set() and self.admission.clock_ok is True
-                            and not self.admission.warming))
+                            and not self.admission.warming),
+                warming=self.admission.warming)
         except LeaseLost as exc:
             await self._fence(str(exc))
             return

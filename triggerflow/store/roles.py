@@ -88,12 +88,14 @@ class LeaseStore(Protocol):
         *,
         subscribed: bool = True,
         clock_skew: float | None = None,
+        warming: bool = False,
     ) -> Renewal | None:
         """Extend my lease; None when it had already expired (I am fenced: stop everything).
         ``subscribed``: whether I am subscribed on the broker; only consumers that are count
         as live peers (capacity) for anyone's rebalancing and consumer counts.
         ``clock_skew``: my clock's last measured offset from the database's, kept on my row
-        for ``status``."""
+        for ``status``. ``warming``: I am unsubscribed on purpose until my trigger runtime
+        answers, kept on my row so ``status`` does not name me as refused by the broker."""
         ...
 
     async def unregister(self, me: int) -> None:

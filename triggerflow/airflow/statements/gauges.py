@@ -15,7 +15,7 @@ SELECT q.queue, w.writers,
           AND q.queue = ANY(c.queues)) AS consumers,
        (SELECT count(*) FROM {SCHEMA}.consumer c
         WHERE c.kind = 'consumer' AND c.expires_at > now() AND q.queue = ANY(c.queues)
-          AND c.running < c.capacity * 0.9
+          AND c.running < c.capacity * 0.9 AND NOT c.warming
           AND c.registered_at < now() - make_interval(secs => $2)) AS expected,
        (SELECT count(*) FROM task_instance ti JOIN "trigger" t ON t.id = ti.trigger_id
         WHERE ti.state = 'deferred' AND ti.trigger_timeout < now() - interval '60 seconds'

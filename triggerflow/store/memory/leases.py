@@ -36,13 +36,14 @@ class MemoryLeases(MemoryState):
         *,
         subscribed: bool = True,
         clock_skew: float | None = None,
+        warming: bool = False,
     ) -> Renewal | None:
         if not self._alive(me):
             return None
         now = self.clock()
         mine = self.processes[me]
         mine.expires_at, mine.running, mine.ttl = now + ttl, running, ttl
-        mine.subscribed, mine.clock_skew = subscribed, clock_skew
+        mine.subscribed, mine.clock_skew, mine.warming = subscribed, clock_skew, warming
         same_set = [p for p in self.processes.values() if set(p.queues) == set(queues)]
         dead = [
             p

@@ -80,6 +80,7 @@ class Process:
     ttl: float = 0.0
     subscribed: bool = False  # on the broker, as of the last renewal (counted only then)
     clock_skew: float | None = None  # its clock minus ours, as it last measured
+    warming: bool = False  # unsubscribed on purpose until its runtime answers
     presence: str | None = None  # its broker connection's presence queue
 
 

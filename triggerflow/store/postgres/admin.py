@@ -2,10 +2,33 @@
 the reference host (the demo's resumer). Not on any hot path of the loops.
 """
 
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class StatusStatements:
+    """What ``triggerflow status`` reads, in one mode's tables (``Mode.status_statements``):
+    processes by lease, writers, per-queue trigger counts (``queue``, ``triggers``, ``owned``,
+    ``unclaimed``, ``quarantined``, ``dead_owner``), the overdue count, quarantined triggers.
+    ``queues`` and ``quarantined`` are run with ``queue_args`` and ``quarantined_args``."""
+
+    consumers: str
+    writers: str
+    queues: str
+    overdue: str
+    quarantined: str
+    queue_args: tuple[Any, ...] = ()
+    quarantined_args: tuple[Any, ...] = ()
+
+
 STATUS_CONSUMERS = """
 SELECT id, kind, host, pid, queues, capacity, running, version, started_at, renewed_at,
        expires_at, expires_at > now() AS alive, cardinality(probation) AS on_probation,
-       extract(epoch FROM now() - started_at)::float8 AS started_ago, subscribed, clock_skew
+       extract(epoch FROM now() - started_at)::float8 AS started_ago, subscribed, clock_skew,
+       warming
 FROM consumer ORDER BY kind, id
 """
 
@@ -136,7 +159,7 @@ SELECT q.queue, w.writers,
           AND q.queue = ANY(c.queues)) AS consumers,
        (SELECT count(*) FROM consumer c
         WHERE c.kind = 'consumer' AND c.expires_at > now() AND q.queue = ANY(c.queues)
-          AND c.running < c.capacity * 0.9
+          AND c.running < c.capacity * 0.9 AND NOT c.warming
           AND c.started_at < now() - make_interval(secs => $2)) AS expected,
        (SELECT count(*) FROM task_instance ti
         WHERE ti.state = 'deferred' AND ti.trigger_timeout < now() - interval '10 seconds'
@@ -183,3 +206,7 @@ UPDATE task_instance ti SET state = f.state, result = f.result::jsonb,
 FROM unnest($1::bigint[], $2::text[], $3::text[]) AS f(id, state, result)
 WHERE ti.id = f.id AND ti.state = 'running'
 """
+
+
+NATIVE_STATUS = StatusStatements(STATUS_CONSUMERS, STATUS_WRITERS, STATUS_QUEUES, STATUS_OVERDUE,
+                                 QUARANTINED)

@@ -128,6 +128,7 @@ class SqlStore:
         *,
         subscribed: bool = True,
         clock_skew: float | None = None,
+        warming: bool = False,
     ) -> Renewal | None:
         # The peers' counts only feed rebalancing, which can wait a few seconds: reading
         # them on every renewal made each renewal scan the consumer table.
@@ -136,7 +137,8 @@ class SqlStore:
         now = time.monotonic()
         peers = bool(queues) and (now >= self._peers_due or self._uneven)
         row = await self._lease_fetchrow(
-            self._lease.renew, me, ttl, running, list(queues), peers, subscribed, clock_skew
+            self._lease.renew, me, ttl, running, list(queues), peers, subscribed, clock_skew,
+            warming,
         )
         if row is None:
             return None

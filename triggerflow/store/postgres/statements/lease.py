@@ -45,9 +45,10 @@ RETURNING id
     # would make its peers shed triggers to it forever.
     # $7 is my clock's offset from the database's as last measured (for ``status``); db_time
     # is the database's clock now, against which the next offset is measured (skew.py).
+    # $8: I am warming up (unsubscribed on purpose until my runtime answers; for ``status``).
     renew = f"""
 UPDATE {consumer} SET renewed_at = now(), expires_at = now() + make_interval(secs => $2),
-       running = $3, subscribed = $6, clock_skew = $7
+       running = $3, subscribed = $6, clock_skew = $7, warming = $8
 WHERE id = $1 AND expires_at > now()
 RETURNING
     extract(epoch FROM clock_timestamp())::float8 AS db_time,
