@@ -65,8 +65,8 @@ async def test_airflow_jobs_check_is_unhealthy_while_deferred_work_has_no_consum
     try:
         async with pool.acquire() as conn:
             await af.add_deferred_task(conn, "waits", "m.T", encrypt_kwargs({"x": 1}), queue="team-a")
-        served = liveness.served_check(None)
-        async with heartbeat.triggerer_job(pool, interval=0.5, served=served) as job_id:
+        beat = liveness.served_beat(None)
+        async with heartbeat.triggerer_job(pool, interval=0.5, stamp=beat) as job_id:
             await asyncio.sleep(4.0)  # the start's stamp is older than the 3 s threshold
             unhealthy = await asyncio.to_thread(jobs_check, airflow_db, 3.0)
             async with pool.acquire() as conn:

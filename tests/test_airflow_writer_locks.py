@@ -51,3 +51,32 @@ async def test_a_held_task_row_is_skipped_not_waited_for_and_applied_once_free(
     finally:
         await locker.close()
         await store.close()
+
+
+async def test_housekeeping_waits_for_row_locks_the_batches_do_not(airflow_db: str) -> None:
+    """The writer's ``lock_timeout`` binds its batches only: its whole-table clean-up (and the
+    backstop's re-send) run on a session of their own without one, so a row another
+    transaction holds for longer delays them and fails nothing."""
+    import asyncio
+    import time
+
+    dsn = af.dsn_of(airflow_db)
+    await af.prepare(dsn)
+    unused = await af.scalar(dsn, """INSERT INTO "trigger" (classpath, kwargs, created_date)
+                                     VALUES ('x.Y', '{}', now()) RETURNING id""")
+    store = await AirflowStore.connect(dsn, lock_timeout=0.2)
+    locker = await asyncpg.connect(dsn)
+    try:
+        tx = locker.transaction()
+        await tx.start()
+        await locker.execute('SELECT 1 FROM "trigger" WHERE id = $1 FOR UPDATE', unused)
+        release = asyncio.get_running_loop().call_later(1.0, lambda: asyncio.ensure_future(
+            tx.rollback()))
+        started = time.monotonic()
+        assert await store.clean_unused() == 1  # waited for the lock, then deleted the row
+        assert time.monotonic() - started >= 0.9
+        release.cancel()
+        assert await af.scalar(dsn, 'SELECT count(*) FROM "trigger" WHERE id = $1', unused) == 0
+    finally:
+        await locker.close()
+        await store.close()

@@ -4,8 +4,8 @@
 ``job`` row of type ``TriggererJob`` in state ``running`` whose ``latest_heartbeat`` is recent.
 A writer inserts one such row when it starts, stamps it every interval and closes it when it
 stops; a writer killed outright leaves a row whose heartbeat goes stale, which Airflow reads as
-an unhealthy triggerer, as it would for its own. Given ``served``, the row is stamped only
-while it holds (``liveness.served_check``: every queue with deferred work has a live consumer).
+an unhealthy triggerer, as it would for its own. Given ``stamp``, the row is stamped by
+it (``liveness.served_beat``: only while every queue with deferred work has a live consumer).
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ async def stop_job(conn: asyncpg.Connection, job_id: int) -> None:
 
 @contextlib.asynccontextmanager
 async def triggerer_job(pool: asyncpg.Pool, interval: float = 5.0,
-                        served: Callable[[asyncpg.Connection], Awaitable[bool]] | None = None,
+                        stamp: Callable[[asyncpg.Connection, int], Awaitable[bool]] = beat,
                         ) -> AsyncIterator[int]:
     """Keep a triggerer job row heart-beating while the block runs; yields the job id.
 
@@ -68,8 +68,7 @@ async def triggerer_job(pool: asyncpg.Pool, interval: float = 5.0,
             await asyncio.sleep(interval)
             try:
                 async with pool.acquire() as conn:
-                    if served is None or await served(conn):
-                        await beat(conn, job_id)
+                    await stamp(conn, job_id)
             except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
                 log.warning("triggerer heartbeat failed: %r", exc)
 

@@ -10,6 +10,8 @@ queue for rows without one; only triggerflow's queues when the writer is given `
 has at least one consumer whose lease is unexpired and which is subscribed on the broker.
 Otherwise it skips the stamp and names the queues, and once the heartbeat is older than
 ``[triggerer] triggerer_health_check_threshold`` Airflow reports the triggerer unhealthy.
+The check and the stamp are one statement (``BEAT_IF_SERVED``): an idle writer's statements
+per second are what its database pays for it.
 """
 
 from __future__ import annotations
@@ -26,18 +28,33 @@ log = logging.getLogger(__name__)
 # $1 the default queue (rows without one), $2 the writer's queues (empty: every queue).
 # Rows of queues that have a live consumer are filtered out before the join, so on a healthy
 # deployment the join sees nothing; the scan is of ``trigger`` alone.
-UNSERVED_QUEUES = f"""
-WITH live AS (
+_LIVE = f"""live AS (
     SELECT DISTINCT unnest(queues) AS queue FROM {SCHEMA}.consumer
     WHERE kind = 'consumer' AND expires_at > now() AND subscribed
-)
-SELECT DISTINCT coalesce(t.queue, $1) AS queue
+)"""
+_UNSERVED = """SELECT DISTINCT coalesce(t.queue, $1) AS queue
 FROM "trigger" t
 WHERE coalesce(t.queue, $1) IS NOT NULL
   AND (cardinality($2::text[]) = 0 OR coalesce(t.queue, $1) = ANY($2::text[]))
   AND coalesce(t.queue, $1) NOT IN (SELECT queue FROM live)
-  AND EXISTS (SELECT 1 FROM task_instance ti WHERE ti.trigger_id = t.id AND ti.state = 'deferred')
-ORDER BY 1
+  AND EXISTS (SELECT 1 FROM task_instance ti WHERE ti.trigger_id = t.id AND ti.state = 'deferred')"""
+
+UNSERVED_QUEUES = f"WITH {_LIVE}\n{_UNSERVED}\nORDER BY 1"
+
+# The same, and $3's heartbeat stamped only when it finds none (heartbeat.BEAT's condition):
+# a row per unserved queue, or one with a NULL queue. No array in the result: asyncpg would
+# look its type up once on every pooled connection (two more statements each time).
+BEAT_IF_SERVED = f"""
+WITH {_LIVE}, unserved AS (
+{_UNSERVED}
+), beat AS (
+    UPDATE job SET latest_heartbeat = now()
+    WHERE id = $3 AND state = 'running' AND NOT EXISTS (SELECT 1 FROM unserved)
+    RETURNING id
+)
+SELECT u.queue, EXISTS (SELECT 1 FROM beat) AS beaten
+FROM (VALUES (1)) AS one (x) LEFT JOIN unserved u ON true
+ORDER BY u.queue
 """
 
 
@@ -49,16 +66,18 @@ async def unserved_queues(
     return [row["queue"] for row in rows]
 
 
-def served_check(
+def served_beat(
     default_queue: str | None, queues: Sequence[str] = ()
-) -> Callable[[asyncpg.Connection], Awaitable[bool]]:
-    """The heartbeat's condition: True when no queue with deferred work lacks a consumer;
-    logs the unserved queues when that changes (not every interval)."""
+) -> Callable[[asyncpg.Connection, int], Awaitable[bool]]:
+    """The heartbeat (``heartbeat.triggerer_job``'s ``beat``): stamps the job row only when
+    no queue with deferred work lacks a consumer, in one statement; logs the unserved queues
+    when that changes (not every interval). Returns whether the row was stamped."""
     last: list[str] = []
 
-    async def served(conn: asyncpg.Connection) -> bool:
+    async def beat(conn: asyncpg.Connection, job_id: int) -> bool:
         nonlocal last
-        unserved = await unserved_queues(conn, default_queue, queues)
+        rows = await conn.fetch(BEAT_IF_SERVED, default_queue, list(queues), job_id)
+        unserved = [r["queue"] for r in rows if r["queue"] is not None]
         if unserved != last:
             if unserved:
                 log.warning(
@@ -68,6 +87,6 @@ def served_check(
             else:
                 log.info("triggerer heartbeat resumed: every queue with deferred work has a consumer")
             last = unserved
-        return not unserved
+        return bool(rows[0]["beaten"])
 
-    return served
+    return beat

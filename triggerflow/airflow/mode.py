@@ -165,8 +165,8 @@ class AirflowMode:
         wake = WakeUps(store, transport, self.writer_queues)
         interval = settings.reaper_interval.total_seconds()
         # The heartbeat says "healthy" only while the queues with deferred work have consumers.
-        served = liveness.served_check(settings.default_queue, self.writer_queues)
-        async with heartbeat.triggerer_job(store.pool, served=served), Tasks() as side:
+        beat = liveness.served_beat(settings.default_queue, self.writer_queues)
+        async with heartbeat.triggerer_job(store.pool, stamp=beat), Tasks() as side:
             side.start("airflow-listen", wakeups.listen(settings.database_dsn(), wake.deliver, stop))
             side.start("airflow-backstop", backstop(store, reaper, transport, interval, wake))
             yield
