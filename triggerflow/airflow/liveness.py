@@ -25,28 +25,24 @@ from triggerflow.airflow.schema import SCHEMA
 
 log = logging.getLogger(__name__)
 
-# $1 the default queue (rows without one), $2 the writer's queues (empty: every queue).
-# Rows of queues that have a live consumer are filtered out before the join, so on a healthy
-# deployment the join sees nothing; the scan is of ``trigger`` alone.
-_LIVE = f"""live AS (
+# One statement reads the unserved queues and stamps the heartbeat only when there are none.
+# $1 the default queue (rows without one), $2 the writer's queues (empty: every queue), $3 the
+# job row (NULL: read only). Rows of queues that have a live consumer are filtered out before
+# the join, so on a healthy deployment the join sees nothing; the scan is of ``trigger``
+# alone. A row per unserved queue, or one with a NULL queue. No array in the result: asyncpg
+# would look its type up once on every pooled connection (two more statements each time).
+BEAT_IF_SERVED = f"""
+WITH live AS (
     SELECT DISTINCT unnest(queues) AS queue FROM {SCHEMA}.consumer
     WHERE kind = 'consumer' AND expires_at > now() AND subscribed
-)"""
-_UNSERVED = """SELECT DISTINCT coalesce(t.queue, $1) AS queue
-FROM "trigger" t
-WHERE coalesce(t.queue, $1) IS NOT NULL
-  AND (cardinality($2::text[]) = 0 OR coalesce(t.queue, $1) = ANY($2::text[]))
-  AND coalesce(t.queue, $1) NOT IN (SELECT queue FROM live)
-  AND EXISTS (SELECT 1 FROM task_instance ti WHERE ti.trigger_id = t.id AND ti.state = 'deferred')"""
-
-UNSERVED_QUEUES = f"WITH {_LIVE}\n{_UNSERVED}\nORDER BY 1"
-
-# The same, and $3's heartbeat stamped only when it finds none (heartbeat.BEAT's condition):
-# a row per unserved queue, or one with a NULL queue. No array in the result: asyncpg would
-# look its type up once on every pooled connection (two more statements each time).
-BEAT_IF_SERVED = f"""
-WITH {_LIVE}, unserved AS (
-{_UNSERVED}
+), unserved AS (
+    SELECT DISTINCT coalesce(t.queue, $1) AS queue
+    FROM "trigger" t
+    WHERE coalesce(t.queue, $1) IS NOT NULL
+      AND (cardinality($2::text[]) = 0 OR coalesce(t.queue, $1) = ANY($2::text[]))
+      AND coalesce(t.queue, $1) NOT IN (SELECT queue FROM live)
+      AND EXISTS (SELECT 1 FROM task_instance ti
+                  WHERE ti.trigger_id = t.id AND ti.state = 'deferred')
 ), beat AS (
     UPDATE job SET latest_heartbeat = now()
     WHERE id = $3 AND state = 'running' AND NOT EXISTS (SELECT 1 FROM unserved)
@@ -58,12 +54,20 @@ ORDER BY u.queue
 """
 
 
+async def beat_if_served(conn: asyncpg.Connection, default_queue: str | None,
+                         queues: Sequence[str], job_id: int | None) -> tuple[list[str], bool]:
+    """The queues with a deferred task's trigger and no live, subscribed consumer, and whether
+    job ``job_id``'s heartbeat was stamped (only when there are none; never for None)."""
+    rows = await conn.fetch(BEAT_IF_SERVED, default_queue, list(queues), job_id)
+    return [r["queue"] for r in rows if r["queue"] is not None], bool(rows[0]["beaten"])
+
+
 async def unserved_queues(
     conn: asyncpg.Connection, default_queue: str | None, queues: Sequence[str] = ()
 ) -> list[str]:
     """Queues with a deferred task's trigger and no live, subscribed consumer."""
-    rows = await conn.fetch(UNSERVED_QUEUES, default_queue, list(queues))
-    return [row["queue"] for row in rows]
+    unserved, _ = await beat_if_served(conn, default_queue, queues, None)
+    return unserved
 
 
 def served_beat(
@@ -76,8 +80,7 @@ def served_beat(
 
     async def beat(conn: asyncpg.Connection, job_id: int) -> bool:
         nonlocal last
-        rows = await conn.fetch(BEAT_IF_SERVED, default_queue, list(queues), job_id)
-        unserved = [r["queue"] for r in rows if r["queue"] is not None]
+        unserved, beaten = await beat_if_served(conn, default_queue, queues, job_id)
         if unserved != last:
             if unserved:
                 log.warning(
@@ -87,6 +90,6 @@ def served_beat(
             else:
                 log.info("triggerer heartbeat resumed: every queue with deferred work has a consumer")
             last = unserved
-        return bool(rows[0]["beaten"])
+        return beaten
 
     return beat
