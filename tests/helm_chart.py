@@ -24,7 +24,7 @@ KUBE_VERSION = "v1.30.0"
 HEADER = f"""\
 # Generated, do not edit: the chart deploy/helm/triggerflow rendered with
 # deploy/helm/examples/native.yaml, as `helm template {RELEASE} deploy/helm/triggerflow
-# -n {NAMESPACE} -f deploy/helm/examples/native.yaml` prints it. Regenerate with
+# -n {NAMESPACE} -f deploy/helm/examples/native.yaml --skip-tests` prints it. Regenerate with
 # `python -m tests.helm_chart`; tests/test_kubernetes.py fails when it differs from a fresh render.
 """
 
@@ -40,14 +40,17 @@ def merged(values: dict[str, Any]) -> dict[str, Any]:
         return chart.merge_values(values)
 
 
-def render_text(values: dict[str, Any], *, upgrade: bool = False) -> str:
-    """Every rendered template as one multi-document stream, in template-path order."""
+def render_text(values: dict[str, Any], *, upgrade: bool = False, tests: bool = True) -> str:
+    """Every rendered template as one multi-document stream, in template-path order; without
+    the `helm test` hooks (templates/tests/) when ``tests`` is false, as ``--skip-tests``."""
     with helm_python.Chart.load(CHART) as chart:
         files = chart.render(values, name=RELEASE, namespace=NAMESPACE,
                              is_install=not upgrade, is_upgrade=upgrade)
     parts = []
     for path, text in sorted(files.items()):
         body = text.strip().removeprefix("---").strip()
+        if not tests and "/templates/tests/" in path:
+            continue
         if path.endswith(".yaml") and body:
             parts.append(f"---\n# Source: {path}\n{body}\n")
     return "".join(parts)
@@ -63,7 +66,7 @@ def lint(values: dict[str, Any]) -> dict[str, Any]:
 
 
 def rendered_example() -> str:
-    return HEADER + render_text(example("native"))
+    return HEADER + render_text(example("native"), tests=False)
 
 
 if __name__ == "__main__":

@@ -63,6 +63,7 @@ def alert_expressions() -> dict[str, str]:
 
 def uses(expr: str) -> tuple[dict[str, set[str]], set[str]]:
     """(metric -> labels its own matchers use, labels used in by/on/without clauses)."""
+    expr = re.sub(r'"[^"]*"', '""', expr)  # a label_replace() argument names no metric
     metrics: dict[str, set[str]] = {}
     for name, matchers in METRIC.findall(expr):
         metrics.setdefault(name, set()).update(MATCHER.findall(matchers))
@@ -88,6 +89,8 @@ def test_expressions_name_metrics() -> None:
     """The parsing above finds what it checks (a typo in the regexes would pass everything)."""
     exprs = {**dashboard_expressions(), **alert_expressions()}
     assert len(exprs) >= 20
+    # The one rule about the scrape itself reads Prometheus's `up`, no metric of ours.
+    assert 'up{job="triggerflow"}' in exprs.pop("alert TriggerflowTargetDown")
     for where, expr in exprs.items():
         assert uses(expr)[0], where
     assert uses('sum by (queue) (rate(triggerflow_x_total{queue="a",kind!~"b"}[1m]))') == (
@@ -191,6 +194,8 @@ async def test_every_dashboard_and_alert_series_is_exported(
         return found if "triggerflow_reaper_quarantined_total" in found else None
 
     exported = await wait_until(all_series, 10, interval=0.5, message="quarantine counted")
+    # Airflow mode's writers alone export it (tests/test_airflow_unserved.py reads its labels).
+    exported = merged(exported, {"triggerflow_unserved_triggers": {"queue", "reason"}})
     await quarantined_panel_shows(survivors[0], orphaned, tmp_path)
     problems = {where: p for where, expr in {**dashboard_expressions(),
                                              **alert_expressions()}.items()
@@ -323,6 +328,35 @@ ALERT_CASES: dict[str, dict[str, Any]] = {
                    'triggerflow_queue_backlog_seconds{queue="ns.events",instance="c"}':
                    "0 30 0 30 0 30 0 30 0"}, "8m"),
     },
+    "TriggerflowTeamAbsent": {
+        # every consumer of team-ml gone: its series end (Prometheus marks them stale when
+        # the target goes); the writer still reports the queue
+        "fire": [({'triggerflow_triggers_running{queue="team-ml",instance="c1"}': "3 3 stale",
+                   'triggerflow_queue_consumers{queue="team-ml",instance="w"}': "1 1 0 0 0 0",
+                   'triggerflow_triggers_running{queue="team-data-eng",instance="c2"}': "1x5",
+                   'triggerflow_triggers_running{queue="default",instance="c3"}': "1x5"},
+                  "5m", [{"queue": "team-ml"}])],
+        # one consumer of team-ml left, and a gap shorter than `for:`
+        "quiet": ({'triggerflow_triggers_running{queue="team-ml",instance="c1"}': "3 3 stale",
+                   'triggerflow_triggers_running{queue="team-ml",instance="c4"}': "0x5",
+                   'triggerflow_triggers_running{queue="team-data-eng",instance="c2"}':
+                   "1 1 1 stale 1 1",
+                   'triggerflow_triggers_running{queue="default",instance="c3"}': "1x5"}, "5m"),
+    },
+    "TriggerflowTargetDown": {
+        "fire": [({'up{job="triggerflow",instance="10.0.0.7:9464",triggerflow_queue="team-ml"}':
+                   "1 0 0 0 0 0",
+                   'up{job="triggerflow",instance="10.0.0.8:9464"}': "1 0 0 0 0 0",
+                   'up{job="triggerflow",instance="10.0.0.9:9464",triggerflow_queue="team-ml"}':
+                   "1x5",
+                   'up{job="node",instance="10.0.0.1:9100"}': "0x5"},
+                  "5m", [{"job": "triggerflow", "instance": "10.0.0.7:9464",
+                          "triggerflow_queue": "team-ml", "queue": "team-ml"},
+                         {"job": "triggerflow", "instance": "10.0.0.8:9464", "queue": "events"}])],
+        "quiet": ({'up{job="triggerflow",instance="10.0.0.7:9464",triggerflow_queue="team-ml"}':
+                   "1 1 1 0 0 0",
+                   'up{job="node",instance="10.0.0.1:9100"}': "0x5"}, "5m"),
+    },
     "TriggerflowDeadLetters": {
         "fire": [
             ({'triggerflow_queue_depth{queue="ns.dead",instance="w"}': "0 0 1 1"},
@@ -333,6 +367,19 @@ ALERT_CASES: dict[str, dict[str, Any]] = {
         "quiet": ({'triggerflow_queue_depth{queue="ns.dead",instance="w"}': "0x3",
                    'triggerflow_messages_dead_lettered_total{reason="malformed",instance="c"}':
                    "0x3"}, "3m"),
+    },
+    "TriggerflowUnservedTriggers": {
+        # an asset watcher with no queue, no --default-queue: both writers count it
+        "fire": [({'triggerflow_unserved_triggers{queue="(no queue)",reason="no-queue",instance="w1"}':
+                   "0 1 1 1 1",
+                   'triggerflow_unserved_triggers{queue="(no queue)",reason="no-queue",instance="w2"}':
+                   "0 1 1 1 1",
+                   'triggerflow_unserved_triggers{queue="team-ml",reason="no-consumer",instance="w1"}':
+                   "1 0 0 0 0"},
+                  "4m", [{"queue": "(no queue)", "reason": "no-queue"}])],
+        # taken within its `for` (Airflow's own triggerer, a consumer starting), then just new
+        "quiet": ({'triggerflow_unserved_triggers{queue="(no queue)",reason="no-queue",instance="w1"}':
+                   "0 1 0 0 1"}, "4m"),
     },
 }
 
@@ -385,3 +432,24 @@ def test_alerts_fire_on_their_conditions(tmp_path: Path) -> None:
         "TriggerflowQueueWithoutConsumer"]["quiet"][0], "5m", [{"queue": "team-ml",
                                                                 "severity": "critical"}])
     assert run_rule_tests(tool, tmp_path, [miss], rules).returncode != 0
+
+
+RUNBOOKS = ROOT / "docs" / "runbooks.md"
+RUNBOOK_BASE = "https://github.com/triggerflow/triggerflow/blob/main/docs/runbooks.md#"
+
+
+def test_every_alert_links_its_runbook_section() -> None:
+    """Each rule's runbook_url is the runbooks page at an anchor its headings have, and that
+    section is the alert's own (``## AlertName``) and says how to confirm it."""
+    from tests.test_docs import anchors
+
+    rules = [r for g in yaml.safe_load(ALERTS.read_text())["groups"] for r in g["rules"]]
+    assert len({r["alert"] for r in rules}) >= 11
+    sections = dict(re.findall(r"^## (\w+)\n(.*?)(?=^## |\Z)", RUNBOOKS.read_text(), re.M | re.S))
+    for rule in rules:
+        url = rule["annotations"].get("runbook_url", "")
+        assert url.startswith(RUNBOOK_BASE), rule["alert"]
+        anchor = url.removeprefix(RUNBOOK_BASE)
+        assert anchor in anchors(RUNBOOKS), f"{rule['alert']}: no section for #{anchor}"
+        assert anchor == rule["alert"].lower(), rule["alert"]
+        assert "**Confirm:**" in sections[rule["alert"]], rule["alert"]

@@ -9,10 +9,14 @@ then the points a platform engineer's cluster would hold against it are checked 
 from __future__ import annotations
 
 import copy
+import http.server
 import json
 import re
 import shutil
+import subprocess
+import sys
 import tarfile
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -24,11 +28,14 @@ import yaml
 
 from tests import helm_chart
 from tests.manifests import by_kind, containers, pod_spec, secret_refs, validate, workloads
+from tests.services import free_port
 from tests.test_compose import _resolve
 from triggerflow.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[1]
 ALERTS = ROOT / "deploy" / "prometheus" / "alerts.yaml"
+DASHBOARD = ROOT / "deploy" / "grafana" / "triggerflow.json"
+TEAM_GROUP = "triggerflow-teams"  # alerts.yaml's per-team rules (compose.yaml's teams)
 MODES = ["native", "airflow"]
 PROBE_PATHS = {"startupProbe": "/livez", "livenessProbe": "/livez", "readinessProbe": "/readyz"}
 DEFAULT_EGRESS_PORTS = {53, 5432, 5671, 5672, 15672}
@@ -81,6 +88,29 @@ def pod_labels(obj: dict[str, Any]) -> dict[str, str]:
     return labels
 
 
+def with_team_rules(rules: dict[str, Any], values: dict[str, Any]) -> dict[str, Any]:
+    """The rule file as the chart ships it: the per-team group's first rule once per team of
+    ``values``, that team's queue in its matcher and label (no group without teams)."""
+    out = copy.deepcopy(rules)
+    group = next(g for g in out["groups"] if g["name"] == TEAM_GROUP)
+    example, group["rules"] = group["rules"][0], []
+    for team in values.get("teams", []):
+        queue = team.get("queue") or team["name"]
+        rule = copy.deepcopy(example)
+        rule["expr"] = re.sub(r'queue="[^"]*"', f'queue="{queue}"', example["expr"])
+        rule["labels"]["queue"] = queue
+        group["rules"].append(rule)
+    if not group["rules"]:
+        out["groups"].remove(group)
+    return out
+
+
+def with_values(mode: str, **changes: Any) -> list[dict[str, Any]]:
+    values = copy.deepcopy(helm_chart.example(mode))
+    values.update(changes)
+    return helm_chart.render(values)
+
+
 def test_both_examples_have_one_keda_team_and_one_fixed() -> None:
     for mode in MODES:
         listed = helm_chart.example(mode)["teams"]
@@ -105,9 +135,11 @@ def test_the_defaults_alone_lint_and_render_the_writer_and_setup() -> None:
 
 def test_every_object_validates(objects: list[dict[str, Any]], mode: str) -> None:
     kinds = sorted({o["kind"] for o in objects})
-    operator = ["PodMonitor", "PrometheusRule"] if mode == "airflow" else []
+    # the Operator's objects and the dashboard are on in the Airflow example
+    extra = ["ConfigMap", "PodMonitor", "PrometheusRule"] if mode == "airflow" else []
     assert kinds == sorted(["Deployment", "Job", "NetworkPolicy", "PodDisruptionBudget",
-                            "ScaledObject", "ServiceAccount", "TriggerAuthentication", *operator])
+                            "Pod", "ScaledObject", "Service", "ServiceAccount",
+                            "TriggerAuthentication", *extra])
     for obj in objects:
         validate(obj)
 
@@ -340,7 +372,7 @@ def test_each_deployment_spreads_over_nodes_and_has_its_own_budget(
 
 
 def test_the_operator_gets_a_pod_monitor_and_the_alerts_file_as_rules(
-        objects: list[dict[str, Any]], mode: str) -> None:
+        values: dict[str, Any], objects: list[dict[str, Any]], mode: str) -> None:
     monitors = by_kind(objects, "PodMonitor")
     rules = by_kind(objects, "PrometheusRule")
     deployments = by_kind(objects, "Deployment").values()
@@ -358,7 +390,17 @@ def test_the_operator_gets_a_pod_monitor_and_the_alerts_file_as_rules(
     assert all("annotations" not in d["spec"]["template"]["metadata"] for d in deployments)
     (rule,) = rules.values()
     assert rule["metadata"]["labels"]["release"] == "kube-prometheus-stack"
-    assert rule["spec"] == yaml.safe_load(ALERTS.read_text())
+    assert rule["spec"] == with_team_rules(yaml.safe_load(ALERTS.read_text()), values)
+    # TriggerflowTargetDown reads job="triggerflow" and the pod's queue label as
+    # Prometheus names it (the PodMonitor copies it onto every target).
+    spec = monitor["spec"]
+    target_down = next(r["expr"] for g in rule["spec"]["groups"] for r in g["rules"]
+                       if r["alert"] == "TriggerflowTargetDown")
+    for d in deployments:
+        job = pod_labels(d)[spec["jobLabel"]]
+        assert f'up{{job="{job}"}}' in target_down
+    assert "triggerflow/queue" in spec["podTargetLabels"]
+    assert '"triggerflow_queue"' in target_down
 
 
 def test_operator_auto_renders_annotations_when_the_cluster_has_no_monitoring_api() -> None:
@@ -376,14 +418,16 @@ def test_the_rules_are_read_from_the_alerts_file_not_a_copy(tmp_path: Path) -> N
     tree = tmp_path / "deploy"
     shutil.copytree(helm_chart.CHART, tree / "helm" / "triggerflow", symlinks=True)
     changed = yaml.safe_load(ALERTS.read_text())
-    changed["groups"][0]["rules"][0]["expr"] = "vector(1)"
+    group = next(g for g in changed["groups"] if g["name"] == "triggerflow")
+    group["rules"][0]["expr"] = "vector(1)"
+    shutil.copytree(DASHBOARD.parent, tree / "grafana")  # the dashboard's link resolves
     (tree / "prometheus").mkdir()
     (tree / "prometheus" / "alerts.yaml").write_text(yaml.safe_dump(changed))
     with helm_python.Chart.load(tree / "helm" / "triggerflow") as chart:
         files = chart.render(helm_chart.example("airflow"), name="triggerflow")
     (rule,) = [d for d in yaml.safe_load_all(files["triggerflow/templates/monitoring.yaml"])
                if d and d["kind"] == "PrometheusRule"]
-    assert rule["spec"] == changed
+    assert rule["spec"] == with_team_rules(changed, helm_chart.example("airflow"))
 
 
 def test_a_packaged_chart_carries_the_alerts_files_content(tmp_path: Path) -> None:
@@ -391,9 +435,10 @@ def test_a_packaged_chart_carries_the_alerts_files_content(tmp_path: Path) -> No
     with helm_python.Chart.load(helm_chart.CHART) as chart:
         archive = chart.save(tmp_path)
     with tarfile.open(archive) as tar:
-        member = tar.getmember("triggerflow/files/alerts.yaml")
-        assert member.isfile()
-        assert tar.extractfile(member).read() == ALERTS.read_bytes()  # type: ignore[union-attr]
+        for name, source in [("alerts.yaml", ALERTS), ("triggerflow.json", DASHBOARD)]:
+            member = tar.getmember(f"triggerflow/files/{name}")
+            assert member.isfile()
+            assert tar.extractfile(member).read() == source.read_bytes()  # type: ignore[union-attr]
 
 
 def test_adding_a_team_is_one_list_entry() -> None:
@@ -408,7 +453,133 @@ def test_adding_a_team_is_one_list_entry() -> None:
     assert added == sorted([
         ("Deployment", name), ("PodDisruptionBudget", name), ("ScaledObject", name),
         ("TriggerAuthentication", name), ("NetworkPolicy", name),
-        # changed: the setup declares the queue, the writer accepts its events from team-x
-        ("Deployment", "triggerflow-writer"), ("Job", "triggerflow-setup")])
+        ("Service", f"{name}-ready"),  # `helm test` asks its /readyz
+        # changed: the setup declares the queue, the writer accepts its events from team-x,
+        # `helm test` asks one more Service
+        ("Deployment", "triggerflow-writer"), ("Job", "triggerflow-setup"),
+        ("Pod", "triggerflow-test-ready")])
     assert process(consumer(after, "team-x"))["args"] == ["consume", "--queue", "team-x"]
     assert by_kind(after, "ScaledObject")[name]["spec"]["minReplicaCount"] == 2  # chart default
+
+
+def test_each_team_gets_the_rule_files_team_absent_rule(mode: str) -> None:
+    """alerts.yaml has TriggerflowTeamAbsent for each of compose.yaml's consumed queues; the
+    chart renders one per team of the release: for the examples' teams (compose's too) the
+    very rules promtool tests, for a new team the same rule naming its queue."""
+    rules = yaml.safe_load(ALERTS.read_text())
+    (example_group,) = [g for g in rules["groups"] if g["name"] == TEAM_GROUP]
+    in_file = {r["labels"]["queue"]: r for r in example_group["rules"]}
+    compose = yaml.safe_load((ROOT / "compose.yaml").read_text())["services"]
+    consumed = {s["command"][s["command"].index("--queue") + 1] for s in compose.values()
+                if s.get("command", [None])[0] == "consume"}
+    assert set(in_file) == consumed
+    assert all(r["alert"] == "TriggerflowTeamAbsent" for r in in_file.values())
+
+    values = copy.deepcopy(helm_chart.example(mode))
+    values["prometheusOperator"] = {"enabled": True}
+    values["teams"].append({"name": "team-x", "queue": "x-queue",
+                            "databaseUrlSecret": {"name": "tf-x", "key": "database-url"},
+                            "amqpUrlSecret": {"name": "tf-x", "key": "amqp-url"}})
+    (rule,) = by_kind(helm_chart.render(values), "PrometheusRule").values()
+    (group,) = [g for g in rule["spec"]["groups"] if g["name"] == TEAM_GROUP]
+    *examples, new = group["rules"]
+    assert [r["labels"]["queue"] for r in examples] == [t["name"] for t in values["teams"][:-1]]
+    assert examples == [in_file[r["labels"]["queue"]] for r in examples]
+    assert new["expr"] == 'absent(triggerflow_triggers_running{queue="x-queue"})'
+    assert new["labels"] == {"severity": "critical", "queue": "x-queue"}
+    # without teams, no empty group
+    (rule,) = by_kind(helm_chart.render({"prometheusOperator": {"enabled": True}}),
+                      "PrometheusRule").values()
+    assert TEAM_GROUP not in [g["name"] for g in rule["spec"]["groups"]]
+
+
+@pytest.mark.parametrize("enabled", [False, True])
+def test_the_dashboard_ships_as_a_configmap_for_grafanas_sidecar(mode: str, enabled: bool) -> None:
+    assert helm_chart.merged({})["grafanaDashboard"]["enabled"] is False
+    link = helm_chart.CHART / "files" / "triggerflow.json"
+    assert link.is_symlink() and link.resolve() == DASHBOARD.resolve()
+    maps = by_kind(with_values(mode, grafanaDashboard={"enabled": enabled}), "ConfigMap")
+    if not enabled:
+        assert maps == {}
+        return
+    (board,) = maps.values()
+    validate(board)
+    assert board["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert board["data"]["triggerflow.json"] == DASHBOARD.read_text().rstrip("\n")
+    assert json.loads(board["data"]["triggerflow.json"]) == json.loads(DASHBOARD.read_text())
+
+
+def test_helm_test_asks_each_deployments_readyz_through_its_own_service(
+        values: dict[str, Any], objects: list[dict[str, Any]]) -> None:
+    deployments = by_kind(objects, "Deployment")
+    services = by_kind(objects, "Service")
+    (pod,) = by_kind(objects, "Pod").values()
+    port = values["metricsPort"]
+    assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
+    assert len(services) == len(deployments)
+    for name, service in services.items():
+        hooks = service["metadata"]["annotations"]
+        assert hooks["helm.sh/hook"] == "test" and int(hooks["helm.sh/hook-weight"]) < 0
+        # Endpoints are the ready pods of one Deployment, none of another's.
+        chosen = [d for d, obj in deployments.items()
+                  if selects({"matchLabels": service["spec"]["selector"]}, pod_labels(obj))]
+        assert chosen == [name.removesuffix("-ready")]
+        assert service["spec"]["ports"] == [{"name": "metrics", "port": port,
+                                             "targetPort": "metrics"}]
+    (container,) = pod["spec"]["containers"]
+    assert sorted(container["args"][1:]) == sorted(f"http://{n}:{port}/readyz" for n in services)
+    assert container["command"][:2] == ["python", "-c"]
+    spec = pod["spec"]
+    assert spec["restartPolicy"] == "Never" and spec["automountServiceAccountToken"] is False
+    assert spec["securityContext"]["runAsNonRoot"] is True
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    # kubectl would run the hooks as plain objects: the rendered example leaves them out.
+    assert "helm.sh/hook: test" not in helm_chart.rendered_example()
+
+
+class _Readyz(http.server.BaseHTTPRequestHandler):
+    status = 200
+
+    def do_GET(self) -> None:
+        self.send_response(self.status if self.path == "/readyz" else 404)
+        self.end_headers()
+        self.wfile.write(b"ready" if self.status == 200 else b"lease: expired")
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def test_the_test_pods_script_passes_only_when_every_readyz_answers_200() -> None:
+    (pod,) = by_kind(helm_chart.render(helm_chart.example("native")), "Pod").values()
+    (container,) = pod["spec"]["containers"]
+    script = [sys.executable, *container["command"][1:], "0"]  # one round, no waiting
+    servers = []
+    for status in (200, 503):
+        handler = type(f"Readyz{status}", (_Readyz,), {"status": status})
+        server = http.server.HTTPServer(("127.0.0.1", 0), handler)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        servers.append(server)
+    ready, unready = (f"http://127.0.0.1:{s.server_address[1]}/readyz" for s in servers)
+    try:
+        def run(*urls: str) -> int:
+            return subprocess.run([*script, *urls], capture_output=True, timeout=60).returncode
+
+        assert run(ready) == 0
+        assert run(ready, unready) == 1
+        assert run(ready, f"http://127.0.0.1:{free_port()}/readyz") == 1  # nothing listens
+    finally:
+        for server in servers:
+            server.shutdown()
+
+
+def test_with_metrics_from_set_every_policy_still_admits_the_test_pod(mode: str) -> None:
+    monitoring = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "mon"}}}
+    objects = with_values(mode, networkPolicy={"metricsFrom": [monitoring]})
+    (pod,) = by_kind(objects, "Pod").values()
+    for policy in by_kind(objects, "NetworkPolicy").values():
+        validate(policy)
+        (ingress,) = policy["spec"]["ingress"]
+        peers = ingress["from"]
+        assert monitoring in peers
+        assert [p for p in peers if "podSelector" in p and "namespaceSelector" not in p
+                and selects(p["podSelector"], pod["metadata"]["labels"])]
