@@ -4,8 +4,8 @@
 # them when down); `make bench` runs on a fresh pair with pg_stat_statements preloaded.
 VENV := .venv
 BIN := $(VENV)/bin
-# The demo needs the package alone; the suite adds the dev tools and Airflow (for Airflow
-# mode's tests): 95 more distributions the demo never imports.
+# The demo needs the package alone; the suite adds the dev tools, Airflow (for Airflow
+# mode's tests) and MkDocs (tests/test_docs.py builds the site): distributions the demo never imports.
 STAMP_RUN := $(VENV)/.installed-run
 STAMP := $(VENV)/.installed
 
@@ -21,7 +21,7 @@ $(STAMP_RUN): pyproject.toml
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || python3 -m venv $(VENV)
-	$(BIN)/pip install -e '.[dev,airflow]'
+	$(BIN)/pip install -e '.[dev,airflow,docs]'
 	touch $@ $(STAMP_RUN)
 
 services:

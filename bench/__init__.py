@@ -20,7 +20,9 @@ its own, runs the Airflow-mode bench instead (``airflow.py``: a real Airflow 3.3
 needs the ``triggerflow[airflow]`` extra); ``airflow-million``, on its own, one consumer
 holding 1,000,000 waiting Airflow triggers (``airflow_million.py``). ``--quick``
 runs tiny sizes (a smoke test). Raw results go to ``bench-results/``; a full run also
-plots the burst latency distributions to ``docs/img/burst-latency.png``.
+replaces each scenario's entry in ``bench/results.json`` and rewrites
+``docs/performance-results.md`` from it (``results.py``), and plots the burst latency
+distributions to ``docs/img/burst-latency.png``.
 
 It lives in the source tree, not the wheel: ``triggerflow bench`` imports it from the checkout
 the package was installed from, and the processes it starts find it through ``PYTHONPATH``
@@ -81,6 +83,17 @@ def run_bench(settings: Settings, scenarios: list[str], quick: bool, *,
     return asyncio.run(_main(settings, chosen, quick, sizes, console))
 
 
+def _report(console: Console, name: str, res: dict[str, Any], sizes: Sizes, quick: bool) -> None:
+    """Print the scenario's tables; a full run also replaces its record (``results.py``)."""
+    tables = _tables(name, res, sizes)
+    for table in tables:
+        console.print(table)
+    if not quick:  # tiny sizes judge nothing
+        from bench.results import record
+
+        record(name, tables)
+
+
 async def _main(settings: Settings, chosen: list[str], quick: bool, sizes: Sizes,
                 console: Console) -> int:
     import logging
@@ -129,8 +142,7 @@ async def _main(settings: Settings, chosen: list[str], quick: bool, sizes: Sizes
             res["duration_s"] = time.monotonic() - t0
             results[name] = res
             try:
-                for table in _tables(name, res, sizes):
-                    console.print(table)
+                _report(console, name, res, sizes, quick)
             except Exception:
                 console.print_exception(max_frames=5)
                 failed.append(name)

@@ -264,9 +264,14 @@ def run_airflow_bench(settings: Settings, quick: bool) -> int:
                        repeats=sizes.repeats, window=sizes.window if n == sizes.waiting else None)
         rows += [theirs, ours]
     runtime = measure_runtime(server_url, amqp_url, console.log)
-    console.print(table_airflow(rows, native))
-    console.print(table_targets(rows, native, sizes.waiting))
-    console.print(table_runtime(runtime))
+    tables = [table_airflow(rows, native), table_targets(rows, native, sizes.waiting),
+              table_runtime(runtime)]
+    for table in tables:
+        console.print(table)
+    if not quick:  # only a full run replaces the record (bench/results.json)
+        from bench.results import record
+
+        record("airflow", tables)
     path = out / f"bench-airflow-{stamp}.json"
     path.write_text(json.dumps({"command": "triggerflow bench airflow" + (" --quick" if quick else ""),
                                 "sizes": sizes.__dict__, "queue": QUEUE, "runs": rows,

@@ -203,7 +203,12 @@ def run_airflow_million(settings: Settings, quick: bool) -> int:
     server_url = urlunsplit(urlsplit(settings.database_dsn())._replace(path="", query=""))
     sizes = QUICK if quick else FULL
     result = measure_million(server_url, settings.amqp_dsn(), sizes, console.log)
-    console.print(table_million(result))
+    table = table_million(result)
+    console.print(table)
+    if not quick:  # only a full run replaces the record (bench/results.json)
+        from bench.results import record
+
+        record("airflow-million", [table])
     out = Path("bench-results")
     out.mkdir(exist_ok=True)
     path = out / f"bench-airflow-million-{datetime.now():%Y%m%d-%H%M%S}{'-quick' if quick else ''}.json"
