@@ -40,7 +40,9 @@ async def test_unserved_queues_are_those_with_deferred_work_and_no_live_subscrib
         # a trigger row whose task is no longer deferred is no work
         done = await af.add_deferred_task(conn, "done", "m.T", kwargs, queue="team-d")
         await conn.execute("UPDATE task_instance SET state = 'success' WHERE task_id = $1", done.task_id)
-        assert await liveness.unserved_queues(conn, None) == ["team-a", "team-b", "team-c"]
+        # a row with no queue and no default queue: nothing serves it (statements/unserved.py)
+        assert await liveness.unserved_queues(conn, None) == [
+            "(no queue)", "team-a", "team-b", "team-c"]
         assert await liveness.unserved_queues(conn, "dflt") == ["dflt", "team-a", "team-b", "team-c"]
         assert await liveness.unserved_queues(conn, "dflt", ["team-b", "team-x"]) == ["team-b"]
         await conn.execute(ADD_CONSUMER, "consumer", ["team-a"], 60.0, True)  # live

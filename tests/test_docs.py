@@ -3,11 +3,18 @@ generates, and every command, flag and default the README and docs/ quote exists
 
 from __future__ import annotations
 
+import json
 import re
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import click
+import pytest
+from rich.table import Table
 
+from bench.results import PAGE, RESULTS, record, render
 from tools.docgen import MAP_END, MAP_START, module_map, with_module_map
 from triggerflow.cli import main
 from triggerflow.settings import Settings
@@ -45,9 +52,10 @@ _FENCE = re.compile(r"```[^\n]*\n(.*?)```", re.S)
 
 
 def quoted_command_lines() -> list[tuple[str, str]]:
-    """(page, command line) for every ``triggerflow …`` the README and docs/ quote."""
+    """(page, command line) for every ``triggerflow …`` the README, the changelog and docs/
+    quote."""
     found = []
-    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+    for page in [ROOT / "README.md", ROOT / "CHANGELOG.md", *sorted((ROOT / "docs").glob("*.md"))]:
         text = page.read_text()
         blocks = _FENCE.findall(text)
         lines = [m for block in blocks for m in _BLOCK_LINE.findall(block)]
@@ -149,10 +157,11 @@ def _installed_by(target: str) -> str:
 
 
 def _what_is_installed(spec: str) -> str:
-    extras = re.findall(r"[a-z]+", spec.partition("[")[2])
+    extras = [f"`{e}`" for e in re.findall(r"[a-z]+", spec.partition("[")[2])]
     if not extras:
         return "installs the package alone"
-    return "with the " + " and ".join(f"`{e}`" for e in extras) + " extras"
+    listed = extras[0] if len(extras) == 1 else ", ".join(extras[:-1]) + " and " + extras[-1]
+    return f"with the {listed} extras"
 
 
 def test_the_docs_say_what_make_demo_and_make_test_install() -> None:
@@ -171,3 +180,85 @@ def test_bench_scenarios_in_the_cli_page_are_the_benchmarks() -> None:
     section = page[page.index("### `triggerflow bench"):page.index("### `triggerflow docs config")]
     listed = re.findall(r"`([a-z]+)`", section.split("Scenarios:")[1].split(".")[0])
     assert listed == [*SCENARIOS, "airflow"]
+
+
+# -- every `page.md#anchor` pointer resolves
+
+_HEADING = re.compile(r"^#{1,6} (.+)$", re.M)
+_POINTER = re.compile(r"\b([a-z][a-z0-9_-]*\.md)#([A-Za-z0-9_-]+)")
+
+
+def anchors(page: Path) -> set[str]:
+    """The anchors GitHub gives the page's headings: lower case, punctuation dropped, each
+    space a hyphen (not collapsed: ``[--a] [--b]`` gives ``--a---b``)."""
+    text = _FENCE.sub("", page.read_text())
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
+            for h in _HEADING.findall(text)}
+
+
+def test_every_pointer_to_a_docs_section_names_one_that_exists() -> None:
+    """``operations.md#helm`` in a values file, a stale anchor in a page: each fails here."""
+    pages = {p.name: p for p in [ROOT / "README.md", *(ROOT / "docs").glob("*.md")]}
+    sources = [ROOT / "README.md", ROOT / "CHANGELOG.md", *(ROOT / "docs").glob("*.md"),
+               *(p for p in (ROOT / "deploy").rglob("*") if p.is_file()
+                 and p.suffix in (".yaml", ".json", ".tpl", ".py") and "schemas" not in p.parts)]
+    found, broken = 0, []
+    for source in sources:
+        for page, anchor in _POINTER.findall(source.read_text()):
+            found += 1
+            if page not in pages or anchor not in anchors(pages[page]):
+                broken.append(f"{source.relative_to(ROOT)}: {page}#{anchor}")
+    assert found > 20
+    assert broken == []
+    assert "--queue-q----json---ids" in " ".join(anchors(ROOT / "docs" / "cli.md"))
+
+
+# -- the site builds with no warning, and the results page is what the results file renders
+
+
+def test_the_docs_site_builds_strictly_with_no_warning(tmp_path: Path) -> None:
+    """``mkdocs build --strict`` (mkdocs.yml): a page missing from the nav, a link to a file
+    outside docs/ or to a missing page or anchor is a warning, and a warning fails the build."""
+    mkdocs = shutil.which("mkdocs", path=str(Path(sys.executable).parent))
+    if mkdocs is None:
+        pytest.fail("mkdocs is not installed: pip install -e '.[docs]' (make venv installs it)")
+    done = subprocess.run([mkdocs, "build", "--strict", "--site-dir", str(tmp_path / "site")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={"PATH": str(Path(sys.executable).parent), "NO_MKDOCS_2_WARNING": "1"})
+    warnings = [line for line in done.stderr.splitlines() if line.startswith(("WARNING", "ERROR"))]
+    assert done.returncode == 0 and warnings == [], done.stderr[-3000:]
+    assert (tmp_path / "site" / "performance-results" / "index.html").is_file()
+
+
+def test_the_results_page_is_what_the_results_file_renders() -> None:
+    assert PAGE.read_text() == render(json.loads(RESULTS.read_text())), (
+        "regenerate: python -m bench.results")
+
+
+def test_a_full_run_replaces_its_scenarios_record_and_rewrites_the_page(tmp_path: Path) -> None:
+    results, page = tmp_path / "results.json", tmp_path / "page.md"
+    results.write_text(RESULTS.read_text())
+    before = json.loads(results.read_text())
+    table = Table(title="Burst: N at one instant")
+    for column in ("N", "all applied", ""):
+        table.add_column(column)
+    table.add_row("1,000", "20.0 ms", "[green]met")
+    record("burst", [table], path=results, page=page, command="triggerflow bench burst",
+           at="2030-01-02", rev="abc1234", host={"cpus": 2, "model": "Some CPU"})
+    after = json.loads(results.read_text())
+    assert after["burst"] == {
+        "command": "triggerflow bench burst", "date": "2030-01-02", "commit": "abc1234",
+        "machine": {"cpus": 2, "model": "Some CPU"},
+        "tables": [{"title": "Burst: N at one instant", "columns": ["N", "all applied", ""],
+                    "rows": [["1,000", "20.0 ms", "met"]], "caption": ""}]}
+    assert {k: v for k, v in after.items() if k != "burst"} == \
+        {k: v for k, v in before.items() if k != "burst"}
+    assert page.read_text() == render(after)
+    assert "| 1,000 | 20.0 ms | met |" in page.read_text()
+    assert "`triggerflow bench burst`, commit `abc1234`, 2030-01-02" in page.read_text()
+
+
+def test_the_results_name_only_scenarios_the_bench_runs() -> None:
+    from bench.common import SCENARIOS
+
+    assert set(json.loads(RESULTS.read_text())) <= {*SCENARIOS, "airflow", "airflow-million"}

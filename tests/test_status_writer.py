@@ -119,8 +119,8 @@ async def test_no_writer_exits_3_naming_it_and_fires_the_alert(
 
     writer.send_signal(signal.SIGKILL)
     writer.wait(10)
-    # A writer's lease lasts max(lease_ttl, 10 s) (writer.py), so a renewal just before the
-    # kill keeps its row alive 10 s whatever the test's short lease_ttl.
+    # The consumer hears the writer's presence queue go and ends its lease (presence.py);
+    # tests/test_writer_presence.py checks that it is that, not the lease running out.
     await wait_until(lambda: db.fetchval(
         "SELECT count(*) = 0 FROM consumer WHERE kind = 'writer' AND expires_at > now()"), 30,
         message="the killed writer's lease expires")

@@ -42,11 +42,11 @@ TARGETS: list[tuple[str, str, str]] = [
         ("claims", "TAKEN_SINCE"))),
     ("triggerflow.airflow.events", "APPLY", "airflow"),
     ("triggerflow.airflow.cancels", "CREATE", "airflow"),
-    ("triggerflow.airflow.liveness", "UNSERVED_QUEUES", "airflow"),
+    ("triggerflow.airflow.liveness", "BEAT_IF_SERVED", "airflow"),
 ]
 # Statements no store method runs: their cases are a test module's, all of it.
 OWN_CASES = {"CREATE": "tests/test_airflow_cancel_log.py",
-             "UNSERVED_QUEUES": "tests/test_airflow_liveness.py"}
+             "BEAT_IF_SERVED": "tests/test_airflow_liveness.py"}
 # Store classes, and which of their methods run which constant (read from their source).
 STORES = {"postgres": "triggerflow.store.postgres.store:PostgresStore",
           "airflow": "triggerflow.airflow.store:AirflowStore"}

@@ -118,11 +118,13 @@ class Reaper:
     async def _reap_batch(self, batch: int) -> Reaped:
         max_failures = self.settings.max_failures
         if self.local is None:
-            return await self.store.reap_dead(self.queues, max_failures, batch)
+            return await self.store.reap_dead(self.queues, max_failures, batch,
+                                              max_blocks=self.settings.max_blocks)
         async with self.local.taking() as taker:
             began = asyncio.get_running_loop().time()
             try:
-                reaped = await self.store.reap_dead(self.queues, max_failures, batch, taker)
+                reaped = await self.store.reap_dead(self.queues, max_failures, batch, taker,
+                                                    self.settings.max_blocks)
             except Exception:
                 if taker is not None:
                     self.local.unanswered(began)

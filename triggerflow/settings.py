@@ -25,6 +25,9 @@ from pydantic import (
     model_validator,
 )
 
+from triggerflow.store.interface import MAX_BLOCKS
+from triggerflow.variables import UnknownSetting, refusal, unknown_variables
+
 
 def _seconds(value: object) -> object:
     """A number, or a string holding one, is seconds; anything else pydantic parses as a
@@ -73,6 +76,17 @@ def _postgres_url(value: object) -> object:
     return _POSTGRES_SCHEME.sub("postgresql://", text, count=1)
 
 
+def _amqp_url(value: object) -> object:
+    """Only what the AMQP client speaks: an ``http://`` URL (the management API's) or a bare
+    host would otherwise be retried as an unreachable broker."""
+    text = value.get_secret_value() if isinstance(value, SecretStr) else value
+    if isinstance(text, str) and not re.match(r"^amqps?://", text, re.I):
+        scheme = text.split("://", 1)[0] if "://" in text else "no scheme"
+        raise ValueError(f"not an AMQP URL ({scheme}); give amqp://user:pass@host:5672/vhost "
+                         "or amqps://")
+    return value
+
+
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
 LogFormat = Literal["text", "json"]
 
@@ -91,9 +105,25 @@ class Settings(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _variables_under_values(cls, data: Any, info: ValidationInfo) -> Any:
-        if not isinstance(data, dict) or (info.context or {}).get("environment") is False:
+        """Refuses a keyword or, when it reads them, a ``TRIGGERFLOW_*`` variable that names no
+        setting (``UnknownSetting``, a ConfigurationError), instead of ignoring a typo."""
+        if not isinstance(data, dict):
             return data
+        line = refusal(data, cls.model_fields)
+        if line:
+            raise UnknownSetting(line)
+        if (info.context or {}).get("environment") is False:
+            return data
+        cls.check_environment()
         return {**cls.environment(), **data}
+
+    @classmethod
+    def check_environment(cls, environ: Mapping[str, str] = os.environ) -> None:
+        """Raise UnknownSetting naming each ``TRIGGERFLOW_*`` variable that is no setting, no
+        CLI option and not read elsewhere (``triggerflow.variables``), with the closest name."""
+        line = unknown_variables(environ, [cls.env_name(name) for name in cls.model_fields])
+        if line:
+            raise UnknownSetting(line)
 
     @classmethod
     def without_environment(cls, values: Mapping[str, Any]) -> Settings:
@@ -109,7 +139,7 @@ class Settings(BaseModel):
                 if cls.env_name(name) in environ}
 
     # -- connections --------------------------------------------------------------------
-    amqp_url: SecretStr = Field(
+    amqp_url: Annotated[SecretStr, BeforeValidator(_amqp_url)] = Field(
         SecretStr("amqp://guest:guest@127.0.0.1:5672/"),
         description="RabbitMQ URL. The heartbeat below is added unless the URL sets one.",
     )
@@ -173,9 +203,12 @@ class Settings(BaseModel):
         description="Module prefixes trigger classes may come from (checked before import).",
     )
     lease_ttl: Duration = Field(
-        seconds(3.0), gt=ZERO, description="Seconds a consumer's lease lives unrenewed."
+        seconds(3.0), gt=ZERO,
+        description="Seconds a consumer's lease lives unrenewed (a writer's: at least 10; a "
+                    "killed one is seen through its presence queue at once).",
     )
-    renew_interval: Duration = Field(seconds(1.0), gt=ZERO, description="Seconds between lease renewals.")
+    renew_interval: Duration = Field(
+        seconds(1.0), gt=ZERO, description="Seconds between lease renewals (a writer's: at least 1).")
     claim_batch: int = Field(2000, ge=1, description="Max trigger ids claimed per statement.")
     prefetch: int = Field(64, ge=1, description="Unacked wake-up messages per consumer.")
     reclaim_rate: int = Field(
@@ -187,8 +220,8 @@ class Settings(BaseModel):
         seconds(1.0), gt=ZERO, description="How long a suspect group must run before it is cleared."
     )
     max_failures: int = Field(
-        30, ge=2, description="Ungraceful losses and block strikes after which a trigger is "
-        "quarantined."
+        30, ge=2, description="Ungraceful losses (its consumer died while running it) after "
+        "which a trigger is quarantined."
     )
     blocked_threshold: Duration = Field(
         seconds(0.2), gt=ZERO, description="Seconds the loop may stay busy before the culprit is named."
@@ -196,7 +229,12 @@ class Settings(BaseModel):
     block_limit: Duration = Field(
         seconds(1.0), gt=ZERO,
         description="Seconds a trigger may block the event loop before it is stopped and "
-        "charged a strike (counted with its losses towards max_failures).",
+        "charged a strike (counted towards max_blocks).",
+    )
+    max_blocks: int = Field(
+        MAX_BLOCKS, ge=1, description="Runs in which a trigger blocked its consumer's event "
+        "loop past block_limit (or, past the lease, got its consumer taken over) after which "
+        "it is quarantined.",
     )
     subscription_check_interval: Duration = Field(
         seconds(3.0), gt=ZERO, description="Seconds between checks that the broker still delivers to us."

@@ -43,6 +43,7 @@ QUEUE_SUBSCRIBERS = "triggerflow.queue.subscribers"
 QUEUE_UNSUBSCRIBED = "triggerflow.queue.unsubscribed"
 QUEUE_BACKLOG = "triggerflow.queue.backlog_seconds"
 QUEUE_OVERDUE = "triggerflow.queue.overdue"
+UNSERVED_TRIGGERS = "triggerflow.unserved_triggers"  # Airflow mode's writer (airflow/liveness.py)
 CLOCK_SKEW = "triggerflow.clock_skew_seconds"
 
 # Spans (defer -> fire -> write share one trace) and their attributes.

@@ -21,7 +21,7 @@ from triggerflow.modes import Mode, mode_for
 from triggerflow.refusals import Refusals
 from triggerflow.settings import Settings
 from triggerflow.store import SdkStore, ServingStore, StoreAccessRefused, StoreError
-from triggerflow.transport import Transport
+from triggerflow.transport import AccessRefused, Transport, TransportUnavailable
 
 if TYPE_CHECKING:
     from triggerflow.store.postgres import Database
@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 StoreT = TypeVar("StoreT", bound=ServingStore)
+T = TypeVar("T")
 
 
 async def connect_deferral_store(settings: Settings, *, max_size: int | None = None) -> SdkStore:
@@ -54,8 +55,9 @@ def rabbit_transport(settings: Settings, *, name: str) -> RabbitTransport:
 
 
 CONSUMER_CONNECTION = "triggerflow-consumer:"
-# Tries to reach the database at start (about 15 s with the backoff): long enough for one
-# started beside it, short enough that a wrong host or port is one line, not a hang.
+# Tries to reach the database, then the broker, at start (about 15 s each with the backoff):
+# long enough for one started beside it, short enough that a wrong host or port is one line,
+# not a hang.
 STARTUP_ATTEMPTS = 6
 
 
@@ -68,31 +70,66 @@ def consumer_connection_name(queues: list[str]) -> str:
     return f"{CONSUMER_CONNECTION}{','.join(queues)}@{socket.gethostname()}:{os.getpid()}"
 
 
-async def _connect_store_retrying(mode: Mode[StoreT], stop: asyncio.Event,
-                                  lock_timeout: float | None = None) -> StoreT | None:
-    """The store once it answers (None: stopped first). Retries, a bounded number of times,
-    while it is unreachable (then its last StoreUnavailable: the CLI's one line names the
-    setting) or refuses our credentials (then StoreAccessRefused); readiness names the
-    database meanwhile. Once started, a process rides out outages of any length."""
-    refusals = Refusals("the database", StoreAccessRefused, log,
-                        unavailable_attempts=STARTUP_ATTEMPTS)
-    get_health().check("database", lambda: f"connecting ({refusals.last_error or 'starting'})")
+# The back-off between start-up attempts: STARTUP_ATTEMPTS of it last about 15 s.
+_STARTUP_WAIT = wait_exponential_jitter(multiplier=0.5, max=5, jitter=0.5)
 
-    async def connect() -> StoreT:
-        async for attempt in refusals.retrying(
-                StoreError, wait_exponential_jitter(multiplier=0.5, max=5, jitter=0.5)):
+
+async def _at_start(service: str, refused: type[Exception],
+                    retry_on: tuple[type[Exception], ...],
+                    connect: Callable[[], Awaitable[T]], stop: asyncio.Event) -> T | None:
+    """``connect()`` once ``service`` answers (None: stopped first). Retries a bounded number
+    of times while it is unreachable (then its last error: the CLI's one line names the
+    setting) or refuses our credentials (then ``refused``); readiness names it meanwhile.
+    Once started, a process rides out outages of any length."""
+    refusals = Refusals(service, refused, log, unavailable_attempts=STARTUP_ATTEMPTS)
+    check = service.removeprefix("the ")
+    get_health().check(check, lambda: f"connecting ({refusals.last_error or 'starting'})")
+
+    async def attempts() -> T:
+        async for attempt in refusals.retrying(retry_on, _STARTUP_WAIT):
             with attempt:
-                return await mode.connect_store(lock_timeout=lock_timeout)
+                return await connect()
         raise AssertionError("unreachable: the retrying re-raises its last error")
 
-    connected = await before_stop(connect(), stop)
+    connected = await before_stop(attempts(), stop)
     return None if connected is None else connected.result()
+
+
+async def _connect_store_retrying(mode: Mode[StoreT], stop: asyncio.Event,
+                                  lock_timeout: float | None = None) -> StoreT | None:
+    """The store once it answers (None: stopped first), or its last error (``_at_start``)."""
+    return await _at_start("the database", StoreAccessRefused, (StoreError,),
+                           lambda: mode.connect_store(lock_timeout=lock_timeout), stop)
+
+
+async def _reach_broker(settings: Settings, name: str, stop: asyncio.Event) -> bool:
+    """True once the broker answered (the connection is closed again: the loops open their
+    own), False when stopped first; its last error when it was never reached (``_at_start``),
+    so a wrong host or port ends the process in one line as the database's does, where the
+    loops would retry it for ever as they retry a broker lost later. A refusal of our
+    credentials goes on to the loops, which retry it a bounded number of times too, with
+    the process registered but not ready and not counted as a consumer."""
+
+    async def probe() -> bool:
+        transport = make_transport(settings, name=name)
+        try:
+            await transport.connect()
+        except AccessRefused:
+            pass  # answered: the subscriptions meet it again and end the process
+        finally:
+            await transport.close()
+        return True
+
+    return bool(await _at_start("the broker", AccessRefused, (TransportUnavailable,), probe,
+                                stop))
 
 
 async def _serve(mode: Mode[StoreT], stop: asyncio.Event,
                  serve: Callable[[StoreT], Awaitable[int]], *,
+                 reach_broker: Callable[[], Awaitable[bool]],
                  lock_timeout: float | None = None) -> int:
-    """``serve`` on the store once connected; 1 with one line when the store refused us."""
+    """``serve`` on the store once it and then the broker answer; 1 with one line when the
+    store refused our credentials."""
     try:
         store = await _connect_store_retrying(mode, stop, lock_timeout)
     except StoreAccessRefused as exc:
@@ -101,6 +138,8 @@ async def _serve(mode: Mode[StoreT], stop: asyncio.Event,
     if store is None:
         return 0
     try:
+        if not await reach_broker():
+            return 0
         return await serve(store)
     finally:
         await store.close()
@@ -109,7 +148,9 @@ async def _serve(mode: Mode[StoreT], stop: asyncio.Event,
 async def serve_consumer(settings: Settings, stop: asyncio.Event) -> int:
     """Run a consumer on the real store and transport until ``stop``; its exit code."""
     mode = mode_for(settings)
-    return await _serve(mode, stop, lambda store: _consume(settings, mode, store, stop))
+    name = consumer_connection_name(settings.queues)
+    return await _serve(mode, stop, lambda store: _consume(settings, mode, store, stop),
+                        reach_broker=lambda: _reach_broker(settings, name, stop))
 
 
 async def _consume(settings: Settings, mode: Mode[StoreT], store: StoreT,
@@ -127,6 +168,7 @@ async def serve_writer(settings: Settings, stop: asyncio.Event) -> int:
     """Run a writer on the real store and transport until ``stop``; its exit code."""
     mode = mode_for(settings)
     return await _serve(mode, stop, lambda store: _write(settings, mode, store, stop),
+                        reach_broker=lambda: _reach_broker(settings, "triggerflow-writer", stop),
                         lock_timeout=settings.writer_lock_timeout.total_seconds())
 
 

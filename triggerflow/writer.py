@@ -25,6 +25,7 @@ from triggerflow.health import get_health
 from triggerflow.lease import Lease
 from triggerflow.lifecycle import Background, Tasks, report_refused
 from triggerflow.model import EventKind, FailureReason
+from triggerflow.presence import Presence
 from triggerflow.reaper import Reaper
 from triggerflow.runner import failure
 from triggerflow.settings import Settings
@@ -75,11 +76,18 @@ class Writer:
         self.transport = transport
         scope = settings.model_copy(update={"queues": list(reaper_queues)})
         self.reaper = Reaper(store, transport, scope)
+        # A writer's lease fences nothing (it holds no triggers), so a short one buys nothing,
+        # while a writer busy with a burst, or with the reaper sweeps its renewal loop runs,
+        # on a loaded host would miss a short one: shown dead by status, health and the
+        # gauges, and registered anew. Hence the floor; a killed writer is seen through its
+        # presence queue at once instead (``presence``).
         self.lease = Lease(store, ProcessKind.WRITER, ttl=max(settings.lease_ttl.total_seconds(), 10.0),
                            renew_interval=max(settings.renew_interval.total_seconds(), 1.0))
         self.subscriptions = Subscriptions(
             transport, prefetch=settings.writer_prefetch,
             check_interval=settings.subscription_check_interval.total_seconds(), renew=False)
+        self.presence = Presence(store, transport, self.lease)
+        self.subscriptions.on_session = self.presence.connected
         self.metrics = get_metrics()
         self._inbox: asyncio.Queue[Delivery | None] = asyncio.Queue()  # None: look again
         # A lane may keep a quarter of the prefetch unacked while its rows are locked: the
@@ -144,6 +152,7 @@ class Writer:
             await asyncio.sleep(self.lease.renew_interval)
             try:
                 await self.lease.keep(subscribed=self.subscriptions.connected.is_set())
+                await self.presence.announce()  # on a new row, if keep registered anew
                 if loop.time() >= next_reap and self.transport.is_open:
                     next_reap = loop.time() + self.settings.reaper_interval.total_seconds()
                     # Dead consumers are reaped by their live peers, which claim the freed

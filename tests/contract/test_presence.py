@@ -1,11 +1,13 @@
 """Presence: the broker said a consumer's connection closed. Its lease ends at once, for
 that incarnation only and only at the hands of a peer of its queues, and the loss is judged
-as an expiry would be. Every store, the same cases."""
+as an expiry would be. A writer's ends the same way, for that writer only. Every store, the
+same cases."""
 
 from __future__ import annotations
 
 from tests.contract.backends import Backend, register
 from tests.contract.test_failover import TTL, freed
+from triggerflow.store import ProcessKind
 
 A, B = "team-a", "team-b"
 
@@ -42,3 +44,23 @@ async def test_a_gone_row_names_nothing(backend: Backend) -> None:
     await backend.store.unregister(me)
     assert not await backend.store.announce_presence(me, "amq.gen-late")
     assert await backend.store.presence_gone("amq.gen-late", [A]) == []
+
+
+async def test_a_writers_closed_connection_ends_only_that_writers_lease(backend: Backend) -> None:
+    store = backend.store
+    writer = await register(backend, [], TTL, kind=ProcessKind.WRITER)
+    consumer = await register(backend, [A], TTL)
+    assert await store.announce_presence(writer, "amq.gen-writer-old")
+    assert await store.announce_presence(writer, "amq.gen-writer")  # it reconnected
+    assert await store.announce_presence(consumer, "amq.gen-consumer")
+
+    assert await store.writer_gone("amq.gen-writer-old") == []  # an older connection's
+    assert await store.writer_gone("amq.gen-consumer") == []  # a consumer's is not a writer's
+    assert await store.presence_gone("amq.gen-writer", [A]) == []  # nor the reverse
+    assert await store.renew(consumer, TTL, 0, [A]) is not None
+    assert await store.writer_gone("amq.gen-writer") == [writer]
+    assert await store.writer_gone("amq.gen-writer") == []  # ended once
+
+    await backend.travel(0.1)
+    assert await store.renew(writer, TTL, 0, []) is None  # its row reads dead
+    assert await store.renew(consumer, TTL, 0, [A]) is not None

@@ -5,7 +5,7 @@
 A writer inserts one such row when it starts, stamps it every interval and closes it when it
 stops; a writer killed outright leaves a row whose heartbeat goes stale, which Airflow reads as
 an unhealthy triggerer, as it would for its own. Given ``stamp``, the row is stamped by
-it (``liveness.served_beat``: only while every queue with deferred work has a live consumer).
+it (``liveness.served_beat``: only while no trigger row with work goes unserved).
 """
 
 from __future__ import annotations

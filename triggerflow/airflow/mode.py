@@ -173,12 +173,16 @@ class AirflowMode:
 
     def status_statements(self) -> StatusStatements:
         from triggerflow.airflow.statements import status as sql
+        from triggerflow.airflow.statements.unserved import STATUS_UNSERVED
         from triggerflow.store.postgres.admin import StatusStatements as Statements
 
         default = self.settings.default_queue
+        # A row may wait one lease period unserved: a starting consumer, or Airflow's own
+        # triggerer during a migration, takes it within that.
         return Statements(sql.CONSUMERS, sql.WRITERS, sql.QUEUES, sql.OVERDUE,
                                 sql.QUARANTINED, queue_args=(default, list(self.settings.queues)),
-                                quarantined_args=(default,))
+                                quarantined_args=(default,), unserved=STATUS_UNSERVED,
+                                unserved_args=(default, self.settings.lease_ttl.total_seconds()))
 
     async def connect_gauges(self) -> GaugeSource:
         from triggerflow.airflow.statements import gauges as sql

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 SCHEMA = "triggerflow"
 NOTIFY_CHANNEL = "triggerflow_airflow_trigger"
-SCHEMA_VERSION = 6  # 5: the cancel log (cancels.py); 6: consumer.warming
+SCHEMA_VERSION = 7  # 5: the cancel log (cancels.py); 6: consumer.warming;
+# 7: trigger_state.blocked_attempts
 
 # Airflow release -> head of its alembic migrations (``alembic_version.version_num``).
 # The SQL in this package was checked against these; anything else is refused.
@@ -84,8 +85,15 @@ CREATE TABLE IF NOT EXISTS {SCHEMA}.trigger_state (
     failures integer NOT NULL DEFAULT 0,
     rejected_by bigint[] NOT NULL DEFAULT '{{}}',
     quarantined_at timestamptz,
-    last_error text
+    last_error text,
+    -- the runs (attempts) in which it blocked its consumer's event loop (strikes.py)
+    blocked_attempts integer[] NOT NULL DEFAULT '{{}}'
 );
+-- schema version 7: a schema set up earlier gains the column in place
+ALTER TABLE {SCHEMA}.trigger_state
+    ADD COLUMN IF NOT EXISTS blocked_attempts integer[] NOT NULL DEFAULT '{{}}';
+CREATE INDEX IF NOT EXISTS trigger_state_blocker_owner ON {SCHEMA}.trigger_state (owner_id)
+    WHERE cardinality(blocked_attempts) > 0;
 CREATE INDEX IF NOT EXISTS trigger_state_owner ON {SCHEMA}.trigger_state (owner_id)
     WHERE owner_id IS NOT NULL;
 CREATE INDEX IF NOT EXISTS trigger_state_unowned ON {SCHEMA}.trigger_state (published_at)

@@ -37,6 +37,7 @@ from triggerflow.airflow.statements import claims, reaper, writer
 from triggerflow.airflow.statements.lease import LEASE
 from triggerflow.airflow.unused import UnusedTriggers
 from triggerflow.store import (
+    MAX_BLOCKS,
     Applied,
     ClaimResult,
     FreedTrigger,
@@ -45,6 +46,7 @@ from triggerflow.store import (
     Reaped,
     StoreError,
     StoreUnavailable,
+    Struck,
     Taker,
     TriggerRef,
     TriggerSpec,
@@ -221,11 +223,11 @@ class AirflowStore(SqlStore):
         return cancels.watch(self.dsn, wake)
 
     async def strike(self, me: int, trigger_id: int, attempt: int, blocked: float,
-                     max_failures: int) -> FreedTrigger | None:
-        rows = await self._fetch(claims.STRIKE, me, trigger_id, attempt, blocked, max_failures,
-                                 self.default_queue)
-        return next((FreedTrigger(r["id"], r["queue"], r["classpath"], r["failures"],
-                                  r["quarantined"]) for r in rows), None)
+                     max_blocks: int, queues: Sequence[str]) -> Struck | None:
+        rows = await self._fetch(claims.STRIKE, me, trigger_id, attempt, blocked, max_blocks,
+                                 self.default_queue, list(queues))
+        return next((Struck(r["id"], r["queue"], r["classpath"], r["blocks"], r["quarantined"],
+                            r["freed"]) for r in rows), None)
 
     # -- writer --------------------------------------------------------------------------
 
@@ -297,14 +299,15 @@ class AirflowStore(SqlStore):
     # -- reaper ----------------------------------------------------------------------------
 
     async def reap_dead(self, queues: Sequence[str] | None, max_failures: int,
-                        limit: int | None = None, taker: Taker | None = None) -> Reaped:
+                        limit: int | None = None, taker: Taker | None = None,
+                        max_blocks: int = MAX_BLOCKS) -> Reaped:
         # One statement for all they held (an Airflow consumer holds 1,000s, not a million:
         # no batches); what the taker may run is its own in the same rewrite.
         if taker is not None and queues is None:
             raise ValueError("a taker reaps only its own queues")
         rows = await self._fetch(reaper.REAP_DEAD, *scope(queues), max_failures,
                                  self.default_queue, taker and taker.me,
-                                 taker.room if taker else 0)
+                                 taker.room if taker else 0, max_blocks)
         freed = [FreedTrigger(r["id"], r["queue"], r["classpath"], r["failures"],
                               r["quarantined"]) for r in rows if not r["taken"]]
         taken = await self._specs([r for r in rows if r["taken"]])

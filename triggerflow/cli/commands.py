@@ -7,13 +7,15 @@ Exit codes: 0 ok, 1 failure, 2 usage or configuration error, 3 status needs atte
 from __future__ import annotations
 
 import importlib
+import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import click
 
 from triggerflow.cli import failures
+from triggerflow.variables import PREFIX
 
 # command -> (where it is defined, its help's first sentence for ``triggerflow --help``).
 # A "module:register" adds all of that module's commands; "module:name" is one command.
@@ -81,6 +83,10 @@ class LazyGroup(click.Group):
         for command_name, command in self.commands.items():
             give_env_vars(command, [command_name])
 
+    def invoke(self, ctx: click.Context) -> Any:
+        refuse_unknown_variables()
+        return super().invoke(ctx)
+
     def load_all(self) -> LazyGroup:
         """Import every command (the docs generator and tests walk the whole tree)."""
         for name in self.lazy:
@@ -134,6 +140,20 @@ def give_env_vars(command: click.Command, path: list[str]) -> None:
     if isinstance(command, click.Group):
         for name, sub in command.commands.items():
             give_env_vars(sub, [*path, name])
+
+
+def refuse_unknown_variables(environ: Mapping[str, str] = os.environ) -> None:
+    """Before any command runs: a ``TRIGGERFLOW_*`` variable that names nothing is a typo, and
+    a typo ignored runs on a default (exit 2, naming the closest variable)."""
+    if not any(name.startswith(PREFIX) for name in environ):
+        return  # the settings model (pydantic) is not imported for nothing
+    from triggerflow.settings import Settings
+    from triggerflow.variables import UnknownSetting
+
+    try:
+        Settings.check_environment(environ)
+    except UnknownSetting as exc:
+        raise failures.ConfigError(str(exc)) from None
 
 
 def _bad_parameter(exc: click.BadParameter) -> int:

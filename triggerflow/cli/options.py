@@ -32,18 +32,20 @@ CONNECTION = ("amqp_url", "database_url", "namespace", "heartbeat", "db_pool_siz
 TELEMETRY = ("metrics_port", "otlp_endpoint", "trace_file")
 CONSUMER = ("queues", "capacity", "allowed_modules", "lease_ttl", "renew_interval",
             "claim_batch", "prefetch", "reclaim_rate", "reap_batch", "probation_seconds",
-            "max_failures", "blocked_threshold", "block_limit", "subscription_check_interval",
+            "max_failures", "blocked_threshold", "block_limit", "max_blocks",
+            "subscription_check_interval",
             "subscription_renew_interval", "event_batch", "event_linger", "max_event_bytes",
             "max_event_message_bytes",
             "reaper_interval", "cancel_sweep_interval", "reconcile_after", "unclaimed_grace",
             "max_deferral", "max_clock_skew", "kwargs_key", "kwargs_keys", "airflow",
             "default_queue",
             "airflow_resume_delay")
-# The writer runs a reaper too (max_failures), and its store carries the kwargs codec.
+# The writer runs a reaper too (max_failures, max_blocks), and its store carries the kwargs codec.
 WRITER = ("writer_batch", "writer_prefetch", "writer_concurrency", "writer_lock_timeout",
           "max_event_message_bytes", "team_users", "lease_ttl", "renew_interval",
           "reaper_interval", "reap_batch", "unclaimed_grace", "max_deferral", "reclaim_rate",
-          "max_failures", "subscription_check_interval", "airflow", "default_queue", "queues",
+          "max_failures", "max_blocks", "subscription_check_interval", "airflow", "default_queue",
+          "queues",
           "kwargs_key", "kwargs_keys")
 SDK = ("allowed_modules", "max_kwargs_bytes", "max_deferral", "kwargs_key", "kwargs_keys")
 

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from triggerflow.cli import failures
 from triggerflow.cli.options import (
     CONNECTION,
     CONSUMER,
@@ -69,6 +70,65 @@ def db_upgrade(revision: str, **values: Any) -> None:
     created = asyncio.run(ensure_database(dsn))
     upgrade_schema(dsn, revision)
     click.echo(f"database {database_name(dsn)}: {'created and ' if created else ''}at {revision}")
+
+
+@db.command("downgrade")
+@settings_options("database_url", "log_level")
+@click.argument("revision")
+def db_downgrade(revision: str, **values: Any) -> None:
+    """Run migrations' downgrade() down to REVISION (after rolling the code back)."""
+
+    from triggerflow.store.postgres import (
+        current_revision,
+        database_name,
+        downgrade_schema,
+        revisions,
+    )
+
+    settings = build_settings(values)
+    dsn = settings.database_dsn()
+    known = [r for r, _ in revisions()]
+    span = f"{known[0]}..{known[-1]}"
+    if revision not in known:
+        # "base" too: below the oldest revision every table goes, with the task rows in it.
+        raise failures.ConfigError(f"unknown revision {revision!r}: downgrade to one of {span} "
+                                   f"(below {known[0]} would drop every table)")
+    current = asyncio.run(current_revision(dsn))
+    if current is None or current not in known:
+        # A newer release's revision: its own downgrade() is in that release, not here.
+        raise failures.ConfigError(f"database {database_name(dsn)} is at revision {current}, "
+                                   f"not one of {span}: run db downgrade with the release "
+                                   "that upgraded it")
+    if known.index(revision) > known.index(current):
+        raise failures.ConfigError(f"database {database_name(dsn)} is at {current}, below "
+                                   f"{revision}: use `triggerflow db upgrade --revision {revision}`")
+    downgrade_schema(dsn, revision)
+    click.echo(f"database {database_name(dsn)}: at {revision} (was {current})")
+
+
+@db.command("current")
+@settings_options("database_url", "log_level")
+def db_current(**values: Any) -> None:
+    """Print the database's revision and the newest this release ships."""
+
+    from triggerflow.store.postgres import current_revision, database_name, revisions
+
+    settings = build_settings(values)
+    dsn = settings.database_dsn()
+    current = asyncio.run(current_revision(dsn))
+    head = revisions()[-1][0]
+    state = "head" if current == head else f"head is {head}"
+    click.echo(f"database {database_name(dsn)}: at {current or 'no revision'} ({state})")
+
+
+@db.command("history")
+def db_history() -> None:
+    """List the revisions this release ships, oldest first."""
+
+    from triggerflow.store.postgres import revisions
+
+    for revision, doc in revisions():
+        click.echo(f"{revision}  {doc}")
 
 
 @click.group()

@@ -189,7 +189,10 @@ def register(main: click.Group) -> None:
 
         With --airflow: the same of triggerflow's part of an Airflow deployment (its leases
         and bookkeeping beside Airflow's rows; queues Airflow's own triggerer serves are not
-        listed). --ids is native mode's (it feeds requeue and unquarantine)."""
+        listed), and exit 3 naming any trigger row one lease period old that nothing serves
+        (no queue and no --default-queue, a queue with no live consumer, a class every live
+        consumer refused; rows a live Airflow triggerer holds are served). --ids is native
+        mode's (it feeds requeue and unquarantine)."""
         from triggerflow.cli.status_report import collect_status, trigger_ids
         from triggerflow.redact import Redactor
 

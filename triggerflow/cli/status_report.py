@@ -46,6 +46,8 @@ async def collect_status(settings: Settings) -> dict[str, Any]:
         queue_rows: list[Any] = await db.fetch(sql.queues, *sql.queue_args)
         overdue = await db.fetchval(sql.overdue)
         quarantine_rows: list[Any] = await db.fetch(sql.quarantined, *sql.quarantined_args)
+        unserved_rows: list[Any] = (await db.fetch(sql.unserved, *sql.unserved_args)
+                                    if sql.unserved else [])
     finally:
         await db.close()
     consumers = [dict(r) for r in process_rows]
@@ -90,7 +92,8 @@ async def collect_status(settings: Settings) -> dict[str, Any]:
                           listed, management_error)
     dead = shared_queue(topology.dead_queue, broker_info.get(topology.dead_queue),
                         listed, management_error)
-    problems += writer_problems(writers, events)
+    grace = settings.lease_ttl.total_seconds()
+    problems += await writers_checked(settings, writers, events, grace)
     if dead["depth"]:
         problems.append(f"{dead['depth']} dead-lettered message(s) in {dead['queue']}")
     bound = settings.max_clock_skew.total_seconds()
@@ -103,7 +106,6 @@ async def collect_status(settings: Settings) -> dict[str, Any]:
     # one warming up beside a peer until its trigger runtime answers (listed, no problem)
     warming = [c for c in consumers if c["alive"] and c["kind"] == "consumer" and c["warming"]]
     checked = [c for c in consumers if c not in skewed and c not in warming]
-    grace = settings.lease_ttl.total_seconds()
     unsubscribed = not_subscribed(checked, subscribed, broker_info, grace)
     if unsubscribed:
         # A consumer renews its subscriptions every subscription_renew_interval; each renewal
@@ -119,6 +121,8 @@ async def collect_status(settings: Settings) -> dict[str, Any]:
         unsubscribed = not_subscribed(checked, subscribed,
                                       most_consumers(broker_info, again), grace)
     problems += [u["problem"] for u in unsubscribed]
+    unserved = [dict(r) for r in unserved_rows]
+    problems += unserved_problems(unserved)
     if quarantined:
         problems.append(f"{len(quarantined)} quarantined trigger(s)")
     if overdue:
@@ -128,7 +132,7 @@ async def collect_status(settings: Settings) -> dict[str, Any]:
         q["last_error"] = redact(q["last_error"]) if q["last_error"] else q["last_error"]
     return {"queues": report_queues, "events": events, "dead_letters": dead,
             "writers": writers, "consumers": consumers, "not_subscribed": unsubscribed,
-            "warming": [c["id"] for c in warming],
+            "warming": [c["id"] for c in warming], "unserved": unserved,
             "overdue_tasks": overdue, "quarantined": quarantined, "problems": problems}
 
 
@@ -203,8 +207,51 @@ def shared_queue(name: str, info: QueueInfo | None, listed: dict[str, Any],
             **broker_columns(listed.get(name), management_error)}
 
 
-def writer_problems(writers: list[dict[str, Any]], events: dict[str, Any]) -> list[str]:
+async def writers_checked(settings: Settings, writers: list[dict[str, Any]],
+                          events: dict[str, Any], grace: float) -> list[str]:
+    """:func:`writer_problems`, with a second look at the broker's count of the events
+    queue's consumers when it was 0 (a writer reconnecting is off it for a moment)."""
+    if events_unserved(writers, events, grace):
+        await asyncio.sleep(SECOND_LOOK)
+        again, _ = await amqp_queue_info(settings, [events["queue"]])
+        if (info := again.get(events["queue"])) is not None:
+            events["broker_consumers"] = info[1]
+    return writer_problems(writers, events, grace)
+
+
+def events_unserved(writers: list[dict[str, Any]], events: dict[str, Any],
+                    grace: float) -> list[dict[str, Any]]:
+    """The live writers, registered over ``grace`` seconds ago, when the broker's exact count
+    says none consumes the events queue (all killed: their leases outlive them where nobody
+    who heard their presence queues go may end them, as under per-team consumer roles)."""
+    if events["broker_consumers"] != 0:
+        return []
+    live = [w for w in writers if w["alive"]]
+    return live if any(w["started_ago"] > grace for w in live) else []
+
+
+def unserved_problems(rows: list[dict[str, Any]]) -> list[str]:
+    """One line per queue and reason of the rows nothing serves, naming the first few."""
+    grouped: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in rows:
+        grouped.setdefault((r["queue"], r["reason"]), []).append(r)
+    lines = []
+    for (queue, reason), named in grouped.items():
+        total = named[0]["total"]
+        which = ", ".join(f"trigger {r['id']} ({r['kind']}, {r['classpath']})" for r in named)
+        more = f" and {total - len(named)} more" if total > len(named) else ""
+        lines.append(f"queue {queue}: {total} trigger row(s) nothing serves, "
+                     f"{named[0]['why'] or reason}: {which}{more}")
+    return lines
+
+
+def writer_problems(writers: list[dict[str, Any]], events: dict[str, Any],
+                    grace: float) -> list[str]:
     """No live writer: nothing applies events, every fired trigger's task stays deferred."""
+    if unserved := events_unserved(writers, events, grace):
+        held = ", ".join(f"writer {w['id']} on {w['host']} (pid {w['pid']})" for w in unserved)
+        return [f"no writer consumes {events['queue']} on the broker, though {held} "
+                "hold(s) a lease: killed, or cut off from the broker"]
     if any(w["alive"] for w in writers):
         return []
     waiting = f"{events['depth']} event message(s) waiting in {events['queue']}" \

@@ -18,17 +18,17 @@ import asyncio
 import logging
 from collections.abc import Callable, Sequence
 
+from triggerflow import presence
 from triggerflow.lease import Lease
-from triggerflow.lifecycle import Background
 from triggerflow.store import PresenceStore, StoreError
 from triggerflow.telemetry import get_metrics
-from triggerflow.transport import Transport, TransportUnavailable
+from triggerflow.transport import Transport
 
 log = logging.getLogger(__name__)
 
 
-class Presence:
-    """A consumer's presence: named on its row, and its peers' heard going.
+class Presence(presence.Presence):
+    """A consumer's presence: named on its row, and its peers' heard going (writers' too).
 
     ``reap_now`` is the reaper's wake-up; it is set when a peer of ``queues`` was ended here.
     ``peer_left`` is called whenever another consumer's connection closes, whether or not
@@ -39,43 +39,14 @@ class Presence:
         self, store: PresenceStore, transport: Transport, lease: Lease, queues: Sequence[str],
         reap_now: asyncio.Event, peer_left: Callable[[], None] = lambda: None,
     ) -> None:
-        self.store = store
-        self.transport = transport
-        self.lease = lease
+        super().__init__(store, transport, lease)
         self.queues = list(queues)
         self.reap_now = reap_now
         self.peer_left = peer_left
-        self.name: str | None = None  # our connection's presence queue; None: presence off
-        self._named_on = 0  # the consumer id whose row names it
-        self._checks = Background()
-
-    async def connected(self) -> None:
-        """On each new broker connection: a new presence queue, named on our row."""
-        try:
-            self.name = await self.transport.watch_presence(self._heard)
-        except TransportUnavailable:
-            raise  # the connection went: the next one tries again
-        except Exception:  # never worth our subscriptions: the lease still fails over
-            log.exception("presence off on this connection; failover waits for the lease")
-            self.name = None
-        self._named_on = 0
-        await self.announce()
-
-    async def announce(self) -> None:
-        """Name our presence queue on our current row, if not done yet (after a connect or a
-        new registration); a failure is retried on the next call (each renewal)."""
-        me = self.lease.me
-        if self.name is None or self._named_on == me or not me:
-            return
-        try:
-            if await self.store.announce_presence(me, self.name):
-                self._named_on = me
-        except StoreError as exc:
-            log.warning("naming our presence queue failed (%r); retrying at the next renewal", exc)
 
     def _heard(self, name: str) -> None:
         self.peer_left()
-        self._checks.spawn(self._gone(name))
+        super()._heard(name)
 
     async def _gone(self, name: str) -> None:
         try:
@@ -88,7 +59,7 @@ class Presence:
             )
             return
         if ids:
-            get_metrics().presence_lost.add(len(ids))
+            get_metrics().presence_lost.add(len(ids), {"kind": "consumer"})
             log.info(
                 "consumer %s closed its broker connection (presence queue %s deleted): "
                 "taking over its triggers now",
@@ -96,3 +67,5 @@ class Presence:
                 name,
             )
             self.reap_now.set()
+            return
+        await self.end_writer(name)  # not a peer's: maybe a writer's

@@ -3,21 +3,19 @@
 The watchdog queues :meth:`Strikes.overran` on the loop while the block lasts, so it runs as
 the loop resumes, before the trigger's next step or done-callback: the trigger is cancelled
 here (any event it yielded is dropped) and cannot block again on this consumer. The strike
-then counts one failure against it in the store, where failures from dead consumers count
-too: under ``max_failures`` the trigger is freed and re-sent (from two failures on it runs on
-probation), at ``max_failures`` it is quarantined and its task fails naming the class and the
-block, as a trigger that kills its consumers is.
+then counts the blocked run in the store, apart from ungraceful losses and with its own,
+lower threshold (``max_blocks``): at it the trigger is quarantined and its task fails naming
+the class and the block.
 
-Fencing: a block longer than the lease expires our row, so when the loop resumes we may be
-fenced, and a peer's reaper may be freeing (or taking over) our triggers. The strike is still
-ours to record: it is evidence about one attempt, not an action under the lease. The store
-applies it by (trigger id, attempt) while the row is held by our old id or by nobody; every
-claim or take-over raises the attempt, so the statement can never touch a run of anyone
-else, and freeing a row of a dead owner is what the reaper would do with it anyway. Leaving
-it to the reaper instead would lose the evidence (it cannot tell the blocker from its
-innocent neighbours, and blames none of them when no peer witnessed the expiry).
-If a peer took the trigger over before the strike landed, this strike is lost, but that peer's
-reaper counted the loss of our lease against it, and the peer is blocked and strikes in turn.
+Fleets: a block longer than the lease expires our row, and while our loop is blocked a
+peer's reaper takes our triggers over -- the blocker too, which then blocks that peer in
+turn. So the strike cannot be fenced by the attempt we ran: it lands after the trigger has
+moved on, every time. It counts the run by (trigger id, attempt) whoever holds the trigger
+now, once per run, and only for a trigger of our queues (a team strikes only its own rows).
+Where the row is still ours or nobody's at that attempt it is also freed and re-sent. A
+reaper that finds a trigger with a counted block on a dead consumer blames that blocker
+alone (as a block of the run it held), so the innocents that shared the stalled consumer
+are taken over uncharged.
 """
 
 from __future__ import annotations
@@ -34,7 +32,7 @@ from triggerflow.lease import Lease
 from triggerflow.runner import Held, TriggerRunner
 from triggerflow.settings import Settings
 from triggerflow.store import ProbationStore, StoreError
-from triggerflow.store.interface import FreedTrigger, TriggerRef
+from triggerflow.store.interface import Struck, TriggerRef
 from triggerflow.telemetry import get_metrics
 from triggerflow.transport import TransportError
 from triggerflow.triggers.base import BaseTrigger
@@ -60,7 +58,8 @@ class Strikes:
         self.spawn = spawn
         self.republish = republish
         self.limit = settings.block_limit.total_seconds()
-        self.max_failures = settings.max_failures
+        self.max_blocks = settings.max_blocks
+        self.queues = list(settings.queues)
 
     def overran(self, trigger: BaseTrigger, since: float) -> None:
         """On the loop, as it resumes from a block by ``trigger`` that began at ``since``."""
@@ -91,29 +90,32 @@ class Strikes:
             try:
                 async with lock or contextlib.nullcontext():
                     struck = await self.store.strike(me, held.id, held.attempt, blocked,
-                                                     self.max_failures)
+                                                     self.max_blocks, self.queues)
                 break
             except StoreError as exc:
                 log.warning("recording a strike failed (%r); retrying", exc,
                             extra=held.log_context())
                 lock = None
                 await asyncio.sleep(1)
-        if struck is None:
-            log.info("strike not recorded: trigger %s moved on since attempt %s", held.id,
-                     held.attempt, extra=held.log_context())
+        if struck is None:  # a reaper counted this run already, or it is quarantined or gone
+            log.info("strike not recorded: run %s of trigger %s was counted already, or the "
+                     "trigger is gone", held.attempt, held.id, extra=held.log_context())
         elif struck.quarantined:
             self._quarantined(struck, blocked)
-        else:
+        elif struck.freed:
             await self._resend(struck)
+        else:
+            log.info("strike recorded against trigger %s (%s runs blocked); a peer runs it now",
+                     held.id, struck.blocks, extra=held.log_context())
 
-    def _quarantined(self, struck: FreedTrigger, blocked: float) -> None:
+    def _quarantined(self, struck: Struck, blocked: float) -> None:
         get_metrics().quarantined.add(1, {"queue": struck.queue})
         log.warning("quarantined trigger %s (%s) after it blocked the event loop for %.1f s "
-                    "(%s failures); its task failed", struck.id, struck.classpath, blocked,
-                    struck.failures, extra={"trigger_id": struck.id, "queue": struck.queue,
-                                            "trigger_class": struck.classpath})
+                    "(%s runs blocked); its task failed", struck.id, struck.classpath, blocked,
+                    struck.blocks, extra={"trigger_id": struck.id, "queue": struck.queue,
+                                          "trigger_class": struck.classpath})
 
-    async def _resend(self, struck: FreedTrigger) -> None:
+    async def _resend(self, struck: Struck) -> None:
         get_metrics().released.add(1, {"cause": "blocked"})
         try:
             await self.republish([TriggerRef(struck.id, struck.queue)])

@@ -7,6 +7,7 @@ package imports no driver.
 """
 
 from triggerflow.store.interface import (
+    MAX_BLOCKS,
     Applied,
     Cancelled,
     ClaimResult,
@@ -22,6 +23,7 @@ from triggerflow.store.interface import (
     StoreAccessRefused,
     StoreError,
     StoreUnavailable,
+    Struck,
     Taker,
     TriggerRef,
     TriggerSpec,
@@ -43,6 +45,7 @@ from triggerflow.store.roles import (
 )
 
 __all__ = [
+    "MAX_BLOCKS",
     "Applied",
     "Cancelled",
     "ClaimResult",
@@ -70,6 +73,7 @@ __all__ = [
     "StoreAccessRefused",
     "StoreError",
     "StoreUnavailable",
+    "Struck",
     "Taker",
     "TriggerRef",
     "TriggerSpec",

@@ -24,6 +24,10 @@ from triggerflow.errors import TriggerflowError
 # their statements' text, as literals, so the plans stay what they were).
 SUSPECT_FAILURES = 2  # ungraceful losses that make a trigger a suspect (run on probation)
 ORPHAN_SLACK = 2  # seconds past its timeout before a deferred task is failed as orphaned
+# Runs in which a trigger blocked its consumer's event loop before it is quarantined (the
+# default of ``max_blocks``): each such run stalls every trigger on that consumer, and past
+# the lease hands them all to a peer, so the count is low (docs/security.md, "Loop blockers").
+MAX_BLOCKS = 3
 
 
 class StoreError(TriggerflowError):
@@ -126,6 +130,20 @@ class FreedTrigger:
     classpath: str
     failures: int
     quarantined: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Struck:
+    """A strike recorded against a loop-blocker: ``blocks`` runs of it blocked a loop so far;
+    ``freed``: the strike freed the row (the blocked run still held it), to re-send;
+    ``quarantined``: its task failed, never re-sent. Neither: another consumer runs it now."""
+
+    id: int
+    queue: str
+    classpath: str
+    blocks: int
+    quarantined: bool
+    freed: bool
 
 
 @dataclass(frozen=True, slots=True)

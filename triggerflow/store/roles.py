@@ -9,7 +9,7 @@ cancelled through Airflow's API server). Who takes which role:
 role                        calls                                                  taken by
 ==========================  =====================================================  ==========
 :class:`LeaseStore`         register, renew, unregister                            ``lease``
-:class:`PresenceStore`      announce_presence, presence_gone                       consumer's presence watch
+:class:`PresenceStore`      announce_presence, presence_gone, writer_gone          presence watch
 :class:`ClaimStore`         claim, release, release_lost, taken_since,             consumer, reconcile
                             fail_unloadable, other_loaders, forget,
                             sweep_cancelled
@@ -42,14 +42,15 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from triggerflow.store.interface import (
+    MAX_BLOCKS,
     Applied,
     Cancelled,
     ClaimResult,
-    FreedTrigger,
     NewDeferral,
     ProcessKind,
     Reaped,
     Renewal,
+    Struck,
     Taker,
     TriggerRef,
     TriggerSpec,
@@ -104,7 +105,8 @@ class LeaseStore(Protocol):
 
 
 class PresenceStore(Protocol):
-    """The broker's word that a consumer's connection closed ends its lease at once."""
+    """The broker's word that a consumer's or a writer's connection closed ends its lease at
+    once."""
 
     async def announce_presence(self, me: int, presence: str) -> bool:
         """Name the broker presence queue of my current connection (the one whose deletion
@@ -115,6 +117,12 @@ class PresenceStore(Protocol):
         """The broker deleted ``presence``: end now the lease of the live consumer of one of
         ``queues`` whose current connection it named, as if it had expired (the same
         incarnation only: a consumer that reconnected named another); returns its id."""
+        ...
+
+    async def writer_gone(self, presence: str) -> list[int]:
+        """The broker deleted ``presence``: end now the lease of the live writer whose current
+        connection named it (that incarnation only); returns its id. A writer fences nothing:
+        this is for ``status`` and ``health``, which would otherwise wait for its lease."""
         ...
 
 
@@ -181,14 +189,17 @@ class ProbationStore(Protocol):
         ...
 
     async def strike(
-        self, me: int, trigger_id: int, attempt: int, blocked: float, max_failures: int
-    ) -> FreedTrigger | None:
-        """The trigger blocked my event loop for ``blocked`` seconds at ``attempt``: count one
-        failure against it and free it to be re-sent, or at ``max_failures`` quarantine it
-        as ``reap_dead`` does (its task fails naming the class and the block, rounded to
-        0.1 s). Only while the row is still at ``attempt``, held by me or by nobody (my lease
-        may have expired meanwhile); None when it is not (taken since, struck, or gone). The
-        strike raises the attempt: recorded twice it counts once."""
+        self, me: int, trigger_id: int, attempt: int, blocked: float, max_blocks: int,
+        queues: Sequence[str],
+    ) -> Struck | None:
+        """The trigger blocked my event loop for ``blocked`` seconds in its run ``attempt``:
+        count that run as one block against it, whoever holds it now (a peer may have taken
+        it over while my loop was blocked), but only a trigger of my ``queues``. At
+        ``max_blocks`` blocked runs it is quarantined (its task fails naming the class and
+        the block, rounded to 0.1 s). A row still at ``attempt`` held by me or by nobody is
+        freed to be re-sent at a raised attempt. None when nothing was recorded: that run was
+        counted already (a retry after a lost answer, or a reaper that blamed it), or the
+        trigger is gone, quarantined, or not of my queues."""
         ...
 
 
@@ -217,8 +228,12 @@ class ReaperStore(Protocol):
         max_failures: int,
         limit: int | None = None,
         taker: Taker | None = None,
+        max_blocks: int = MAX_BLOCKS,
     ) -> Reaped:
         """Free the triggers of expired owners, blaming and quarantining as probation says;
+        but an owner that held a known loop-blocker (a trigger with a block counted) was
+        stalled by it: only the blocker is blamed, its run counted as a block (quarantined at
+        ``max_blocks``), and the innocents it stalled are freed (or taken) uncharged.
         at most ``limit`` a call where the store batches (fewer returned: none are left).
         With a ``taker`` (``queues`` given), what it may run becomes its own instead of
         free; a store may also take none and free them all."""
@@ -264,7 +279,7 @@ class ConsumerStore(LeaseStore, PresenceStore, ClaimStore, ProbationStore, Reape
     """What a consumer process uses (it reaps its queues' dead peers itself)."""
 
 
-class WriterStore(LeaseStore, EventStore, ReaperStore, Protocol):
+class WriterStore(LeaseStore, PresenceStore, EventStore, ReaperStore, Protocol):
     """What a writer process uses."""
 
 

@@ -182,21 +182,34 @@ FORGET_HELD = f"""
 DELETE FROM {SCHEMA}.trigger_state WHERE trigger_id = ANY($1::int[]) AND owner_id = $2
 """
 
-# A strike against a trigger that blocked my event loop, by (id, attempt) as the native
-# STRIKE (why it needs no live lease is said there); quarantined as REAP_DEAD quarantines.
+# A strike against a trigger that blocked my event loop, counted by run whoever holds it
+# now and fenced by my queues ($7), as the native STRIKE (why is said there); quarantined
+# at $5 blocked runs as REAP_DEAD quarantines.
 STRIKE = f"""
-WITH struck AS (
-    UPDATE {SCHEMA}.trigger_state s SET owner_id = NULL, attempt = s.attempt + 1,
-        published_at = now(), failures = s.failures + 1,
-        quarantined_at = CASE WHEN s.failures + 1 >= $5 THEN now() END,
+WITH target AS (
+    SELECT s.trigger_id, cardinality(s.blocked_attempts) + 1 >= $5 AS quarantine,
+           cardinality(s.blocked_attempts) + 1 >= $5
+               OR (s.attempt = $3 AND (s.owner_id = $1 OR s.owner_id IS NULL)) AS release
+    FROM {SCHEMA}.trigger_state s JOIN "trigger" t ON t.id = s.trigger_id
+    WHERE s.trigger_id = $2 AND coalesce(t.queue, $6) = ANY($7::text[])
+      AND s.quarantined_at IS NULL AND $3 <= s.attempt AND NOT ($3 = ANY(s.blocked_attempts))
+    FOR UPDATE OF s
+), struck AS (
+    UPDATE {SCHEMA}.trigger_state s SET
+        blocked_attempts = s.blocked_attempts || $3::int,
+        owner_id = CASE WHEN g.release THEN NULL ELSE s.owner_id END,
+        attempt = s.attempt + g.release::int,
+        published_at = CASE WHEN g.release THEN now() ELSE s.published_at END,
+        quarantined_at = CASE WHEN g.quarantine THEN now() END,
         last_error = format('trigger %s (%s) blocked the event loop for %s s on consumer %s '
-                            '(%s failures)', t.id, t.classpath, round($4::numeric, 1), $1,
-                            s.failures + 1)
-    FROM "trigger" t
-    WHERE t.id = s.trigger_id AND s.trigger_id = $2 AND s.attempt = $3
-      AND (s.owner_id = $1 OR s.owner_id IS NULL) AND s.quarantined_at IS NULL
-    RETURNING s.trigger_id, coalesce(t.queue, $6) AS queue, t.classpath, s.failures,
-              s.quarantined_at IS NOT NULL AS quarantined, s.last_error
+                            '(%s runs blocked)', t.id, t.classpath, round($4::numeric, 1), $1,
+                            cardinality(s.blocked_attempts) + 1)
+    FROM target g, "trigger" t
+    WHERE s.trigger_id = g.trigger_id AND t.id = s.trigger_id
+    RETURNING s.trigger_id, coalesce(t.queue, $6) AS queue, t.classpath,
+              cardinality(s.blocked_attempts) AS blocks,
+              s.quarantined_at IS NOT NULL AS quarantined, s.last_error, g.release
 ), failed AS ({fail_quarantined("struck")})
-SELECT trigger_id AS id, queue, classpath, failures, quarantined FROM struck
+SELECT trigger_id AS id, queue, classpath, blocks, quarantined, release AND NOT quarantined AS freed
+FROM struck
 """

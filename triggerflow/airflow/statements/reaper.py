@@ -5,12 +5,13 @@ from triggerflow.airflow.nontask import LIVE
 from triggerflow.airflow.schema import SCHEMA
 from triggerflow.airflow.statements.claims import SPEC, fail_quarantined
 from triggerflow.store.interface import SUSPECT_FAILURES
-from triggerflow.store.postgres.statements.reaper import take_or_free
+from triggerflow.store.postgres.statements.reaper import blame_columns, stalled, take_or_free
 
-# Consumers whose lease expired: blame as probation says, then take over (a reaping consumer,
-# $5, with room for $6) or free for re-sending. A quarantined trigger's task fails the way
-# Airflow fails a trigger (``Trigger.submit_failure``: '__fail__', 'Trigger failure', the
-# reason as its traceback). Taken: of the reaper's queues ($1), with work (LIVE), not a
+# Consumers whose lease expired: blame as the native REAP_DEAD does (a known loop-blocker it
+# held alone, else as probation says; $7 blocked runs quarantine a blocker), then take over
+# (a reaping consumer, $5, with room for $6) or free for re-sending. A quarantined trigger's
+# task fails the way Airflow fails a trigger (``Trigger.submit_failure``: '__fail__',
+# 'Trigger failure', the reason as its traceback). Taken: of the reaper's queues ($1), with work (LIVE), not a
 # suspect even after this death, not refused by the taker, within its room; owned by it at a
 # raised attempt in this same rewrite, as a claim would leave it (one rewrite, not two).
 REAP_DEAD = f"""
@@ -21,21 +22,21 @@ WITH dead AS (
                SELECT 1 FROM {SCHEMA}.consumer w
                WHERE w.id <> d.id AND w.expires_at > now() AND w.registered_at < d.expires_at
                  AND w.expires_at - w.renewed_at <= d.expires_at - d.renewed_at
-           ) AS witnessed
+           ) AS witnessed,
+           {stalled(f"{SCHEMA}.trigger_state")}
     FROM {SCHEMA}.consumer d
     WHERE d.expires_at < now() AND (d.queues && $1::text[] OR $2)
     FOR UPDATE OF d SKIP LOCKED
 ), blamed AS (
     SELECT s.trigger_id, s.owner_id, s.failures, s.rejected_by,
-           d.witnessed AND (cardinality(d.probation) = 0 OR s.trigger_id = ANY(d.probation))
-               AS blame,
-           d.probation = ARRAY[s.trigger_id::bigint] AS alone
+           {blame_columns("s", "s.trigger_id")}
     FROM {SCHEMA}.trigger_state s JOIN dead d ON s.owner_id = d.id
 ), judged AS (
-    SELECT b.trigger_id, b.owner_id, b.blame,
-           b.blame AND (b.alone OR b.failures + 1 >= $3) AS quarantine,
+    SELECT b.trigger_id, b.owner_id, b.blame, b.blame AND b.blocker AS block, t.classpath,
+           b.blame AND CASE WHEN b.blocker THEN b.blocks >= $7
+                            ELSE b.alone OR b.failures + 1 >= $3 END AS quarantine,
            coalesce($5::bigint IS NOT NULL AND coalesce(t.queue, $4) = ANY($1::text[])
-               AND b.failures + b.blame::int < {SUSPECT_FAILURES}
+               AND b.failures + (b.blame AND NOT b.blocker)::int < {SUSPECT_FAILURES}
                AND NOT coalesce($5::bigint = ANY(b.rejected_by), false)
                AND {LIVE}, false) AS takeable  -- never NULL: it sets the attempt
     FROM blamed b JOIN "trigger" t ON t.id = b.trigger_id
@@ -44,7 +45,8 @@ WITH dead AS (
                AND row_number() OVER (PARTITION BY j.takeable ORDER BY j.trigger_id) <= $6 AS take
     FROM judged j
 ), freed AS (
-    UPDATE {SCHEMA}.trigger_state s SET {take_or_free("s", "published_at")}
+    UPDATE {SCHEMA}.trigger_state s SET {take_or_free(
+        "s", "published_at", "format('trigger %s (%s) ', f.trigger_id, f.classpath)")}
     -- only while the dead consumer still owns it: a claim that committed while this waited
     -- on the row is re-checked here (READ COMMITTED) and stands
     FROM fate f WHERE s.trigger_id = f.trigger_id AND s.owner_id = f.owner_id

@@ -22,7 +22,8 @@ FROM {SCHEMA}.consumer ORDER BY kind, id
 
 WRITERS = f"""
 SELECT id, host, pid, version, registered_at AS started_at, renewed_at,
-       expires_at > now() AS alive, extract(epoch FROM now() - renewed_at)::float8 AS renewed_ago
+       expires_at > now() AS alive, extract(epoch FROM now() - renewed_at)::float8 AS renewed_ago,
+       extract(epoch FROM now() - registered_at)::float8 AS started_ago
 FROM {SCHEMA}.consumer WHERE kind = 'writer' ORDER BY renewed_at DESC
 """
 

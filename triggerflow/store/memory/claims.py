@@ -8,8 +8,8 @@ from triggerflow.model import FAIL_METHOD, FailureReason, TaskState
 from triggerflow.store.interface import (
     SUSPECT_FAILURES,
     ClaimResult,
-    FreedTrigger,
     ProcessKind,
+    Struck,
     TriggerRef,
     TriggerSpec,
 )
@@ -152,21 +152,25 @@ class MemoryClaims(MemoryState):
         return gone
 
     async def strike(
-        self, me: int, trigger_id: int, attempt: int, blocked: float, max_failures: int
-    ) -> FreedTrigger | None:
+        self, me: int, trigger_id: int, attempt: int, blocked: float, max_blocks: int,
+        queues: Sequence[str],
+    ) -> Struck | None:
         t = self.triggers.get(trigger_id)
-        if t is None or t.attempt != attempt or t.owner not in (me, None) or t.quarantined:
+        if (t is None or t.queue not in queues or t.quarantined or attempt > t.attempt
+                or attempt in t.blocked_attempts):
             return None
         seconds = _tenths(blocked)
-        t.failures += 1
-        t.owner, t.attempt, t.dispatched_at = None, t.attempt + 1, self.clock()
-        t.quarantined = t.failures >= max_failures
-        t.last_error = f"it blocked the event loop for {seconds} s on consumer {me} ({t.failures} failures)"
+        t.blocked_attempts.append(attempt)
+        blocks = len(t.blocked_attempts)
+        t.quarantined = blocks >= max_blocks
+        release = t.quarantined or (t.attempt == attempt and t.owner in (me, None))
+        if release:
+            t.owner, t.attempt, t.dispatched_at = None, t.attempt + 1, self.clock()
+        t.last_error = f"it blocked the event loop for {seconds} s on consumer {me} ({blocks} runs blocked)"
         if t.quarantined:
             self._fail_quarantined(
                 t,
                 f"trigger {t.id} ({t.classpath}) was quarantined after it "
-                f"blocked the event loop for {seconds} s ({t.failures} "
-                "failures)",
+                f"blocked the event loop for {seconds} s ({blocks} runs blocked)",
             )
-        return FreedTrigger(t.id, t.queue, t.classpath, t.failures, t.quarantined)
+        return Struck(t.id, t.queue, t.classpath, blocks, t.quarantined, release and not t.quarantined)

@@ -72,7 +72,16 @@ class MemoryLeases(MemoryState):
             pid
             for pid, p in self.processes.items()
             if p.presence == presence and p.expires_at > now and set(p.queues) & set(queues)
+            and p.kind is ProcessKind.CONSUMER
         ]
+        for pid in gone:
+            self.processes[pid].expires_at = now
+        return gone
+
+    async def writer_gone(self, presence: str) -> list[int]:
+        now = self.clock()
+        gone = [pid for pid, p in self.processes.items()
+                if p.presence == presence and p.expires_at > now and p.kind is ProcessKind.WRITER]
         for pid in gone:
             self.processes[pid].expires_at = now
         return gone

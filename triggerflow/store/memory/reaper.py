@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 from triggerflow.model import FAIL_METHOD, FailureReason, TaskState
 from triggerflow.store.interface import (
+    MAX_BLOCKS,
     ORPHAN_SLACK,
     SUSPECT_FAILURES,
     FreedTrigger,
@@ -25,6 +26,7 @@ class MemoryReaper(MemoryState):
         max_failures: int,
         limit: int | None = None,
         taker: Taker | None = None,
+        max_blocks: int = MAX_BLOCKS,
     ) -> Reaped:
         # all at once: no batches here
         now = self.clock()
@@ -41,6 +43,8 @@ class MemoryReaper(MemoryState):
             )
             for pid, d in dead.items()
         }
+        # Stalled: it held a known loop-blocker, which alone is blamed (its run counted as a block).
+        stalled = {t.owner for t in self.triggers.values() if t.owner in dead and t.blocked_attempts}
         freed: list[FreedTrigger] = []
         taken: list[TriggerSpec] = []
         room = taker.room if taker else 0
@@ -48,9 +52,20 @@ class MemoryReaper(MemoryState):
             owner = dead.get(t.owner) if t.owner is not None else None
             if owner is None or t.owner is None:
                 continue
-            blame = witnessed[t.owner] and (not owner.probation or t.id in owner.probation)
+            if t.owner in stalled:
+                blame = witnessed[t.owner] and bool(t.blocked_attempts)
+                block = blame
+            else:
+                blame = witnessed[t.owner] and (not owner.probation or t.id in owner.probation)
+                block = False
             alone = owner.probation == [t.id]
-            if blame:
+            if block:
+                if t.attempt not in t.blocked_attempts:
+                    t.blocked_attempts.append(t.attempt)
+                t.quarantined = len(t.blocked_attempts) >= max_blocks
+                t.last_error = (f"it blocked the event loop of consumer {t.owner} past its lease "
+                                f"({len(t.blocked_attempts)} runs blocked)")
+            elif blame:
                 t.quarantined = alone or t.failures + 1 >= max_failures
                 t.failures += 1
                 t.last_error = f"consumer {t.owner} died while running it ({t.failures} ungraceful losses)"
@@ -58,6 +73,8 @@ class MemoryReaper(MemoryState):
             if t.quarantined:
                 self._fail_quarantined(
                     t,
+                    f"trigger {t.id} ({t.classpath}) was quarantined after it blocked the event "
+                    f"loop ({len(t.blocked_attempts)} runs blocked)" if block else
                     f"trigger {t.id} ({t.classpath}) was quarantined after "
                     f"its consumers died {t.failures} time(s) while "
                     "running it",

@@ -54,6 +54,7 @@ class StoredTrigger:
     rejected_by: set[int] = field(default_factory=set)
     quarantined: bool = False
     last_error: str | None = None
+    blocked_attempts: list[int] = field(default_factory=list)  # runs that blocked a loop
 
 
 @dataclass

@@ -13,7 +13,10 @@ class StatusStatements:
     """What ``triggerflow status`` reads, in one mode's tables (``Mode.status_statements``):
     processes by lease, writers, per-queue trigger counts (``queue``, ``triggers``, ``owned``,
     ``unclaimed``, ``quarantined``, ``dead_owner``), the overdue count, quarantined triggers.
-    ``queues`` and ``quarantined`` are run with ``queue_args`` and ``quarantined_args``."""
+    ``queues`` and ``quarantined`` are run with ``queue_args`` and ``quarantined_args``;
+    ``unserved`` (a mode whose rows can wait where no consumer looks: Airflow's), with
+    ``unserved_args``, lists rows nothing serves (``queue``, ``reason``, ``id``, ``kind``,
+    ``classpath``, ``total``: the first few of each queue and reason)."""
 
     consumers: str
     writers: str
@@ -22,6 +25,8 @@ class StatusStatements:
     quarantined: str
     queue_args: tuple[Any, ...] = ()
     quarantined_args: tuple[Any, ...] = ()
+    unserved: str | None = None
+    unserved_args: tuple[Any, ...] = ()
 
 
 STATUS_CONSUMERS = """
@@ -107,6 +112,7 @@ WITH target AS (
     RETURNING target.id
 ), freed AS (
     UPDATE trigger t SET quarantined_at = NULL, failures = 0, rejected_by = '{}',
+           blocked_attempts = '{}',
            owner_id = NULL, dispatched_at = now(), last_error = NULL
     FROM target WHERE t.id = target.id AND target.resumable
     RETURNING t.id, t.queue
@@ -170,7 +176,8 @@ FROM w LEFT JOIN unnest($1::text[]) AS q(queue) ON true
 # Writers by lease, newest first: what ``status`` lists and how long ago each renewed.
 STATUS_WRITERS = """
 SELECT id, host, pid, version, started_at, renewed_at, expires_at > now() AS alive,
-       extract(epoch FROM now() - renewed_at)::float8 AS renewed_ago
+       extract(epoch FROM now() - renewed_at)::float8 AS renewed_ago,
+       extract(epoch FROM now() - started_at)::float8 AS started_ago
 FROM consumer WHERE kind = 'writer' ORDER BY renewed_at DESC
 """
 

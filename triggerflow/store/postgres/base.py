@@ -155,3 +155,6 @@ class SqlStore:
 
     async def presence_gone(self, presence: str, queues: Sequence[str]) -> list[int]:
         return [r["id"] for r in await self._fetch(self._lease.presence_gone, presence, list(queues))]
+
+    async def writer_gone(self, presence: str) -> list[int]:
+        return [r["id"] for r in await self._fetch(self._lease.writer_gone, presence)]

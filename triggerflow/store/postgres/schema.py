@@ -7,6 +7,7 @@ of hosts), never edited as strings.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import asyncpg
 
@@ -39,9 +40,7 @@ async def ensure_database(dsn: str) -> bool:
         await conn.close()
 
 
-def upgrade_schema(dsn: str, revision: str = "head") -> None:
-    """Apply the migrations up to ``revision`` (blocking)."""
-    from alembic import command
+def _alembic_config(dsn: str) -> Any:
     from alembic.config import Config
 
     cfg = Config()
@@ -49,4 +48,40 @@ def upgrade_schema(dsn: str, revision: str = "head") -> None:
     # SQLAlchemy's asyncpg dialect takes the hosts as ``?host=`` parameters (parse's form)
     url = parse(dsn).set(drivername="postgresql+asyncpg")
     cfg.set_main_option("sqlalchemy.url", url.render_as_string(hide_password=False).replace("%", "%%"))
-    command.upgrade(cfg, revision)
+    return cfg
+
+
+def upgrade_schema(dsn: str, revision: str = "head") -> None:
+    """Apply the migrations up to ``revision`` (blocking)."""
+    from alembic import command
+
+    command.upgrade(_alembic_config(dsn), revision)
+
+
+def downgrade_schema(dsn: str, revision: str) -> None:
+    """Run the migrations' ``downgrade()`` down to ``revision`` (blocking). ``base`` drops
+    every table: the command line refuses it (see :func:`revisions`)."""
+    from alembic import command
+
+    command.downgrade(_alembic_config(dsn), revision)
+
+
+def revisions() -> list[tuple[str, str]]:
+    """The shipped revisions, oldest first: (id, first line of its docstring)."""
+    from alembic.script import ScriptDirectory
+
+    script = ScriptDirectory(str(MIGRATIONS))
+    found = [(r.revision, (r.doc or "").strip().splitlines()[0] if r.doc else "")
+             for r in script.walk_revisions()]
+    return found[::-1]
+
+
+async def current_revision(dsn: str) -> str | None:
+    """The revision the database is at; None when no migration ever ran there."""
+    conn = await asyncpg.connect(dsn)
+    try:
+        if await conn.fetchval("SELECT to_regclass('alembic_version')") is None:
+            return None
+        return await conn.fetchval("SELECT version_num FROM alembic_version")  # type: ignore[no-any-return]
+    finally:
+        await conn.close()

@@ -18,6 +18,7 @@ from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt,
 
 from triggerflow.codec import KwargsCodec, MissingKey
 from triggerflow.store.interface import (
+    MAX_BLOCKS,
     Applied,
     Cancelled,
     ClaimResult,
@@ -26,6 +27,7 @@ from triggerflow.store.interface import (
     KwargsProblem,
     NewDeferral,
     Reaped,
+    Struck,
     Taker,
     TriggerRef,
     TriggerSpec,
@@ -122,10 +124,11 @@ class PostgresStore(SqlStore):
         return [r["id"] for r in await self._fetch(claims.SWEEP_CANCELLED, me)]
 
     async def strike(self, me: int, trigger_id: int, attempt: int, blocked: float,
-                     max_failures: int) -> FreedTrigger | None:
-        row = await self._fetchrow(claims.STRIKE, me, trigger_id, attempt, blocked, max_failures)
-        return None if row is None else FreedTrigger(
-            row["id"], row["queue"], row["classpath"], row["failures"], row["quarantined"])
+                     max_blocks: int, queues: Sequence[str]) -> Struck | None:
+        row = await self._fetchrow(claims.STRIKE, me, trigger_id, attempt, blocked, max_blocks,
+                                   list(queues))
+        return None if row is None else Struck(row["id"], row["queue"], row["classpath"],
+                                               row["blocks"], row["quarantined"], row["freed"])
 
     # -- writer --------------------------------------------------------------------------
 
@@ -164,12 +167,13 @@ class PostgresStore(SqlStore):
     # -- reaper ----------------------------------------------------------------------------
 
     async def reap_dead(self, queues: Sequence[str] | None, max_failures: int,
-                        limit: int | None = None, taker: Taker | None = None) -> Reaped:
+                        limit: int | None = None, taker: Taker | None = None,
+                        max_blocks: int = MAX_BLOCKS) -> Reaped:
         if taker is not None and queues is None:
             raise ValueError("a taker reaps only its own queues")
         rows = await self._fetch(reaper.REAP_DEAD, *scope(queues), max_failures,
                                  limit or 2**31 - 1, taker and taker.me,
-                                 taker.room if taker else 0)
+                                 taker.room if taker else 0, max_blocks)
         freed = [FreedTrigger(r["id"], r["queue"], r["classpath"], r["failures"],
                               r["quarantined"]) for r in rows if not r["taken"]]
         taken = [self._spec(r) for r in rows if r["taken"]]

@@ -164,34 +164,49 @@ SELECT DISTINCT id FROM gone
 # Cancelled on their owner: the owner stopped them and drops its rows.
 FORGET_HELD = "DELETE FROM trigger WHERE id = ANY($1::bigint[]) AND owner_id = $2"
 
-# A strike: the trigger blocked my ($1) event loop for $4 seconds at attempt $3. One more
-# failure; freed to be re-sent, or at $5 quarantined as REAP_DEAD quarantines (the message
-# names the class and the block). By (id, attempt) only while I or nobody holds it: my lease
-# may have expired during the block, and the reaper may have freed the row already; every
-# claim or take-over raises the attempt, so nobody else can be running this attempt. The
-# strike raises it too: recorded twice (a retry after a lost answer) it counts once, and an
-# event of the struck run no longer applies.
+# A strike: the trigger blocked my ($1) event loop for $4 seconds in its run $3, counted as
+# one blocked run whoever holds it now: while my loop was blocked my lease ran out and a
+# peer may have taken it over at a raised attempt (and been blocked in turn), so a strike
+# fenced by attempt would be refused in any fleet. Fenced instead by my queues ($6): a
+# team's consumer charges only its own team's triggers. Each run counts once (a retry, or a
+# reaper that already counted it, changes nothing). At $5 blocked runs it is quarantined as
+# REAP_DEAD quarantines (the message names the class and the block); a row still at $3 held
+# by me or by nobody (my lease may have expired, a reaper may have freed it) is freed to be
+# re-sent at a raised attempt, so an event of the struck run no longer applies.
 STRIKE = f"""
-WITH struck AS (
-    UPDATE trigger t SET owner_id = NULL, attempt = t.attempt + 1, dispatched_at = now(),
-        failures = t.failures + 1,
-        quarantined_at = CASE WHEN t.failures + 1 >= $5 THEN now() END,
-        last_error = format('it blocked the event loop for %s s on consumer %s (%s failures)',
-                            round($4::numeric, 1), $1, t.failures + 1)
-    WHERE t.id = $2 AND t.attempt = $3 AND (t.owner_id = $1 OR t.owner_id IS NULL)
-      AND t.quarantined_at IS NULL
-    RETURNING t.id, t.queue, t.classpath, t.failures, t.quarantined_at
+WITH target AS (
+    SELECT t.id, cardinality(t.blocked_attempts) + 1 >= $5 AS quarantine,
+           cardinality(t.blocked_attempts) + 1 >= $5
+               OR (t.attempt = $3 AND (t.owner_id = $1 OR t.owner_id IS NULL)) AS release
+    FROM trigger t
+    WHERE t.id = $2 AND t.queue = ANY($6::text[]) AND t.quarantined_at IS NULL
+      AND $3 <= t.attempt AND NOT ($3 = ANY(t.blocked_attempts))
+    FOR UPDATE
+), struck AS (
+    UPDATE trigger t SET
+        blocked_attempts = t.blocked_attempts || $3::int,
+        owner_id = CASE WHEN g.release THEN NULL ELSE t.owner_id END,
+        attempt = t.attempt + g.release::int,
+        dispatched_at = CASE WHEN g.release THEN now() ELSE t.dispatched_at END,
+        quarantined_at = CASE WHEN g.quarantine THEN now() END,
+        last_error = format('it blocked the event loop for %s s on consumer %s (%s runs blocked)',
+                            round($4::numeric, 1), $1, cardinality(t.blocked_attempts) + 1)
+    FROM target g WHERE t.id = g.id
+    RETURNING t.id, t.queue, t.classpath, cardinality(t.blocked_attempts) AS blocks,
+              t.quarantined_at, g.release
 ), failed AS (
     UPDATE task_instance ti SET state = 'scheduled', next_method = '__fail__',
         next_kwargs = jsonb_build_object(
             'error', '{FailureReason.TRIGGER_QUARANTINED}',
             'message', format('trigger %s (%s) was quarantined after it blocked the event loop '
-                              'for %s s (%s failures)', s.id, s.classpath,
-                              round($4::numeric, 1), s.failures),
+                              'for %s s (%s runs blocked)', s.id, s.classpath,
+                              round($4::numeric, 1), s.blocks),
             'deferred_next_method', ti.next_method, 'deferred_next_kwargs', ti.next_kwargs),
         trigger_timeout = NULL, updated_at = clock_timestamp()
     FROM struck s WHERE s.quarantined_at IS NOT NULL AND ti.trigger_id = s.id
       AND ti.state = 'deferred'
 )
-SELECT id, queue, classpath, failures, quarantined_at IS NOT NULL AS quarantined FROM struck
+SELECT id, queue, classpath, blocks, quarantined_at IS NOT NULL AS quarantined,
+       release AND quarantined_at IS NULL AS freed
+FROM struck
 """

@@ -19,6 +19,7 @@ class LeaseStatements:
     unregister: str
     announce_presence: str
     presence_gone: str
+    writer_gone: str
 
 
 def lease_statements(consumer: str, unregister: str) -> LeaseStatements:
@@ -84,7 +85,17 @@ UPDATE {consumer} SET expires_at = now(), renewed_at = now() - (expires_at - ren
 WHERE presence = $1 AND kind = 'consumer' AND expires_at > now() AND queues && $2::text[]
 RETURNING id
 """
-    return LeaseStatements(register, renew, unregister, announce, gone)
+    # The same for a writer, heard by anyone whose role may end it (its peer writers; team
+    # consumer roles may not, by row security): it holds no triggers, so only ``status`` and
+    # ``health`` read its row, and renewed_at stays the time it last renewed. Its peers all
+    # hear it at once: clock_timestamp(), not now() (when each transaction began), so one
+    # that waited on the row lock finds it ended and counts nothing.
+    writer_gone = f"""
+UPDATE {consumer} SET expires_at = now()
+WHERE presence = $1 AND kind = 'writer' AND expires_at > clock_timestamp()
+RETURNING id
+"""
+    return LeaseStatements(register, renew, unregister, announce, gone, writer_gone)
 
 
 # Leave: a straggler still owned (a claim that committed late) is freed and dated back so

@@ -5,27 +5,63 @@ from triggerflow.model import FailureReason
 from triggerflow.store.interface import ORPHAN_SLACK, SUSPECT_FAILURES
 
 
-def take_or_free(row: str, sent: str) -> str:
+def take_or_free(row: str, sent: str, named: str = "''") -> str:
     """The SET list of a reaping rewrite of ``row`` by CTE row ``f`` (``take``, ``blame``,
-    ``quarantine``, ``owner_id``): taken by the reaping consumer $5 at a raised attempt, or
-    freed; blamed and quarantined as ``f`` says; ``sent``: the column a re-send stamps.
-    Shared by both stores' REAP_DEAD (Airflow mode's bookkeeping has the same columns)."""
+    ``block``, ``quarantine``, ``owner_id``): taken by the reaping consumer $5 at a raised
+    attempt, or freed; blamed and quarantined as ``f`` says, a blamed known loop-blocker
+    (``block``) by counting the run it blocked instead of a loss; ``sent``: the column a
+    re-send stamps; ``named``: SQL for what precedes a blocker's reason (Airflow names the
+    trigger there). Shared by both stores' REAP_DEAD (Airflow mode's bookkeeping has the same
+    columns)."""
     return f"""
         owner_id = CASE WHEN f.take THEN $5::bigint END,
         attempt = {row}.attempt + f.take::int,
         claimed_at = CASE WHEN f.take THEN now() ELSE {row}.claimed_at END,
         {sent} = now(),
-        failures = {row}.failures + f.blame::int,
+        failures = {row}.failures + (f.blame AND NOT f.block)::int,
+        blocked_attempts = CASE
+            WHEN f.block AND NOT ({row}.attempt = ANY({row}.blocked_attempts))
+            THEN {row}.blocked_attempts || {row}.attempt ELSE {row}.blocked_attempts END,
         quarantined_at = CASE WHEN f.quarantine THEN now() END,
-        last_error = CASE WHEN f.blame
+        last_error = CASE
+            WHEN f.block THEN format(
+                '%sit blocked the event loop of consumer %s past its lease (%s runs blocked)',
+                {named}, f.owner_id, cardinality({row}.blocked_attempts)
+                    + (NOT ({row}.attempt = ANY({row}.blocked_attempts)))::int)
+            WHEN f.blame
             THEN format('consumer %s died while running it (%s ungraceful losses)',
                         f.owner_id, {row}.failures + 1)
             ELSE {row}.last_error END"""
 
 
+# Blame and quarantine of one dead owner's trigger, the columns of CTE ``blamed`` (both
+# stores): ``d`` the dead consumer, ``row`` the trigger's bookkeeping, ``id`` its id column.
+# A consumer that held a known loop-blocker was stalled by it, most likely past its lease
+# (its own strike lands only once the block ends): only the blocker is blamed, and the
+# innocents it stalled are freed or taken uncharged. Otherwise probation decides.
+def blame_columns(row: str, id_: str) -> str:
+    return f"""
+           d.witnessed AND CASE
+               WHEN d.stalled THEN cardinality({row}.blocked_attempts) > 0
+               WHEN cardinality(d.probation) = 0 THEN true
+               ELSE {id_} = ANY(d.probation) END AS blame,
+           d.stalled AND cardinality({row}.blocked_attempts) > 0 AS blocker,
+           cardinality({row}.blocked_attempts)
+               + (NOT ({row}.attempt = ANY({row}.blocked_attempts)))::int AS blocks,
+           d.probation = ARRAY[{id_}::bigint] AS alone"""
+
+
+# Whether the dead consumer ``d`` held a known loop-blocker (a partial index holds just them).
+def stalled(table: str, owner: str = "owner_id") -> str:
+    return f"""EXISTS (
+               SELECT 1 FROM {table} b
+               WHERE b.{owner} = d.id AND cardinality(b.blocked_attempts) > 0) AS stalled"""
+
+
 # Consumers whose lease expired: free their triggers for re-sending. An ungraceful loss
-# counts against the triggers to blame (those on probation if any, else all); a trigger
-# blamed alone, or too often, is quarantined and its task failed naming the class.
+# counts against the triggers to blame (a known loop-blocker it held, else those on
+# probation if any, else all); a trigger blamed alone, or too often, is quarantined and its
+# task failed naming the class ($7: the blocked runs that quarantine a blocker).
 # A reaping consumer ($5, with room for $6) takes the triggers it may run over in the same
 # rewrite: of its queues ($1), not suspects after this loss, not refused by it. Freeing and
 # then claiming rewrote every row twice, which made the failover of a million twice as long.
@@ -42,25 +78,26 @@ WITH dead AS (
                SELECT 1 FROM consumer w
                WHERE w.id <> d.id AND w.expires_at > now() AND w.started_at < d.expires_at
                  AND w.expires_at - w.renewed_at <= d.expires_at - d.renewed_at
-           ) AS witnessed
+           ) AS witnessed,
+           {stalled("trigger")}
     FROM consumer d
     WHERE d.expires_at < now() AND (d.queues && $1::text[] OR $2)
     FOR UPDATE OF d SKIP LOCKED
 ), blamed AS (
     -- each dead owner's triggers by trigger_owner (a lateral lookup: a join let the planner
     -- hash all of trigger, a million rows each batch)
-    SELECT t.id, t.owner_id, t.queue, t.failures, t.rejected_by,
-           d.witnessed AND (cardinality(d.probation) = 0 OR t.id = ANY(d.probation)) AS blame,
-           d.probation = ARRAY[t.id] AS alone
+    SELECT t.id, t.owner_id, t.queue, t.failures, t.rejected_by, {blame_columns("t", "t.id")}
     FROM dead d CROSS JOIN LATERAL (
-        SELECT t.id, t.owner_id, t.queue, t.failures, t.rejected_by
+        SELECT t.id, t.owner_id, t.queue, t.failures, t.rejected_by, t.attempt,
+               t.blocked_attempts
         FROM trigger t WHERE t.owner_id = d.id LIMIT $4) t
     LIMIT $4
 ), judged AS (
-    SELECT b.id, b.owner_id, b.blame,
-           b.blame AND (b.alone OR b.failures + 1 >= $3) AS quarantine,
+    SELECT b.id, b.owner_id, b.blame, b.blame AND b.blocker AS block,
+           b.blame AND CASE WHEN b.blocker THEN b.blocks >= $7
+                            ELSE b.alone OR b.failures + 1 >= $3 END AS quarantine,
            $5::bigint IS NOT NULL AND b.queue = ANY($1::text[])
-               AND b.failures + b.blame::int < {SUSPECT_FAILURES}
+               AND b.failures + (b.blame AND NOT b.blocker)::int < {SUSPECT_FAILURES}
                AND NOT coalesce($5::bigint = ANY(b.rejected_by), false) AS takeable
     FROM blamed b
 ), fate AS (
@@ -73,13 +110,17 @@ WITH dead AS (
     -- while the dead consumer still owns it (a claim may have taken it meanwhile)
     FROM fate f WHERE t.id = f.id AND t.owner_id = f.owner_id
       AND t.id = ANY(ARRAY(SELECT id FROM blamed))
-    RETURNING t.*, f.take
+    RETURNING t.*, f.take, f.block
 ), failed AS (
     UPDATE task_instance ti SET state = 'scheduled', next_method = '__fail__',
         next_kwargs = jsonb_build_object(
             'error', '{FailureReason.TRIGGER_QUARANTINED}',
-            'message', format('trigger %s (%s) was quarantined after its consumers died %s '
-                              'time(s) while running it', f.id, f.classpath, f.failures),
+            'message', CASE WHEN f.block
+                THEN format('trigger %s (%s) was quarantined after it blocked the event loop '
+                            '(%s runs blocked)', f.id, f.classpath,
+                            cardinality(f.blocked_attempts))
+                ELSE format('trigger %s (%s) was quarantined after its consumers died %s '
+                            'time(s) while running it', f.id, f.classpath, f.failures) END,
             'deferred_next_method', ti.next_method, 'deferred_next_kwargs', ti.next_kwargs),
         trigger_timeout = NULL, updated_at = clock_timestamp()
     FROM freed f WHERE f.quarantined_at IS NOT NULL AND ti.trigger_id = f.id
