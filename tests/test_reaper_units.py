@@ -99,7 +99,7 @@ async def test_freed_triggers_go_to_their_own_queues_and_quarantined_ones_nowher
     broker = RecordingBroker()
     assert await reaper(store, broker, max_failures=3, reap_batch=10).reap_dead() == 4
     assert broker.published == [({"a": [1, 3], "b": [2]}, 77)]
-    assert store.calls == [("reap_dead", (["a", "b"], 3, 10))]
+    assert store.calls == [("reap_dead", (["a", "b"], 3, 10, None, 3))]
     assert counted.adds == [("quarantined", 1, {"queue": "a"}),
                             ("resent", 2, {"cause": "dead_owner", "queue": "a"}),
                             ("resent", 1, {"cause": "dead_owner", "queue": "b"})]
@@ -143,7 +143,7 @@ async def test_a_writers_reaper_covers_every_queue_and_takes_nothing() -> None:
     broker = RecordingBroker()
     assert await reaper(store, broker, queues=()).reap_dead() == 1
     assert store.calls[0][1][0] is None  # scope: all queues
-    assert len(store.calls[0][1]) == 3  # no taker
+    assert store.calls[0][1][3] is None  # no taker
     assert broker.published == [({"a": [1]}, 77)]
 
 
@@ -168,7 +168,7 @@ async def test_the_consumer_takes_freed_triggers_first_and_only_the_rest_are_res
     assert local.offered == [("a", [1, 3]), ("b", [2])]
     assert broker.published == [({"a": [3]}, 77)]  # "b" had room for its one: nothing to send
     assert local.adopted == [(Taker(me=9, room=1), [taken])]
-    assert store.calls[0] == ("reap_dead", (["a", "b"], 4, 10, Taker(me=9, room=1)))
+    assert store.calls[0] == ("reap_dead", (["a", "b"], 4, 10, Taker(me=9, room=1), 3))
     assert counted.adds == [("taken_over", 1, None),
                             ("resent", 1, {"cause": "dead_owner", "queue": "a"})]
 

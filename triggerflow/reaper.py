@@ -118,8 +118,8 @@ class Reaper:
     async def _reap_batch(self, batch: int) -> Reaped:
         max_failures = self.settings.max_failures
         if self.local is None:
-            return await self.store.reap_dead(self.queues, max_failures, batch,
-                                              max_blocks=self.settings.max_blocks)
+            return await self.store.reap_dead(self.queues, max_failures, batch, None,
+                                              self.settings.max_blocks)
         async with self.local.taking() as taker:
             began = asyncio.get_running_loop().time()
             try:
