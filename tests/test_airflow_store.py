@@ -112,7 +112,7 @@ async def test_claim_decodes_airflow_rows_of_my_queues_only(served: str) -> None
 
 
 async def test_a_claim_holds_only_deferrals_younger_than_the_resume_delay(served: str) -> None:
-    """The scheduler race's hold (docs/airflow.md): a claimed row's ``not_before`` is its
+    """The scheduler race's hold (docs/airflow-race.md): a claimed row's ``not_before`` is its
     deferral (``trigger.created_date``, the database's clock) plus the delay; an older
     deferral is not held."""
     young = await defer(served, "young", "team-a")
@@ -254,6 +254,24 @@ async def test_cancel_log_records_airflow_moves_not_triggerflows_and_notifies(
     finally:
         await listener.close()
         await store.close()
+
+
+async def test_an_entry_committed_after_a_read_is_seen_by_the_next(served: str) -> None:
+    """An entry is stamped when its row trigger runs (``clock_timestamp()``), and committed
+    later: a read between the two cannot see it, and the next read only finds it because
+    it reaches ``OVERLAP`` back past the previous read's instant."""
+    trigger_id = await defer(served, "slow", "team-a")
+    clearing = await asyncpg.connect(served)  # Airflow's session, clearing the task slowly
+    try:
+        async with opened(served) as store:
+            assert await store.sweep_cancelled(1) == []
+            async with clearing.transaction():
+                await clearing.execute("UPDATE task_instance SET state = 'failed' "
+                                       "WHERE task_id = 'slow'")
+                assert await store.sweep_cancelled(1) == []  # logged, not yet committed
+            assert await store.sweep_cancelled(1) == [trigger_id]
+    finally:
+        await clearing.close()
 
 
 async def test_listener_delivers_new_trigger_rows(served: str) -> None:

@@ -12,6 +12,8 @@ import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import Processes, consumer_id, wait_until
 from tests.test_loops import QUEUE, far, fast_settings, key, running, until
 from tests.test_ops import free_port, scrape_when_up
@@ -36,7 +38,11 @@ time.time = lambda: _real() + {AHEAD}  # this process's wall clock only: the mac
 """
 
 
-async def test_a_skewed_consumer_hands_back_what_it_holds_and_resumes_when_fixed() -> None:
+@pytest.mark.parametrize("off", [AHEAD, -AHEAD], ids=["ahead", "behind"])
+async def test_a_skewed_consumer_hands_back_what_it_holds_and_resumes_when_fixed(
+    off: float,
+) -> None:
+    """Either way: behind, it fires timers late and times tasks out late."""
     mem = InMemory()
     mem.broker.declare(QUEUE)
     offset = [0.0]
@@ -45,12 +51,12 @@ async def test_a_skewed_consumer_hands_back_what_it_holds_and_resumes_when_fixed
     async with running(consumer), mem.client(fast_settings()) as client:
         ids = await client.defer_many([Deferral(key(i), far(), QUEUE) for i in range(3)])
         await until(lambda: len(consumer.runner) == 3)
-        offset[0] = AHEAD  # the host's clock jumps ahead
+        offset[0] = off  # the host's clock jumps
         await until(lambda: not consumer.runner.running and all(
             mem.store.triggers[i].owner is None for i in ids))
         assert consumer.subscriptions.paused and not consumer.subscriptions.subscribed
-        assert "clock +300.0s off" in str(consumer.lease.clock_check.problem())
-        await until(lambda: (mem.store.processes[consumer.me].clock_skew or 0) > AHEAD - 1)
+        assert f"clock {off:+.1f}s off" in str(consumer.lease.clock_check.problem())
+        await until(lambda: abs((mem.store.processes[consumer.me].clock_skew or 0) - off) < 1)
         assert all(mem.store.task(key(i)).state == "deferred" for i in range(3))
         offset[0] = 0.0  # fixed: the next renewal finds it back, and it takes them again
         await until(lambda: len(consumer.runner) == 3)
@@ -109,3 +115,6 @@ def test_the_skew_is_taken_at_the_round_trips_midpoint_and_a_slow_one_is_ignored
     assert "clock +300.1s off the database's (max_clock_skew 2s)" in str(check.problem())
     check.measure(sent_wall=1000.0, round_trip=3.0, db_time=1001.5)  # +-1.5 s: says too little
     assert check.skew is not None and abs(check.skew - 300.1) < 1e-9
+    check.measure(sent_wall=700.0, round_trip=0.2, db_time=1000.0)  # behind is off too
+    assert check.skew is not None and abs(check.skew + 299.9) < 1e-9 and not check.ok
+    assert "clock -299.9s off the database's" in str(check.problem())

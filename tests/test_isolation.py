@@ -329,7 +329,8 @@ async def test_team_database_role_reaches_only_its_own_queues_rows(
     db: Database, dsn: str, teams: list[str], settings: Settings, topology: Topology,
 ) -> None:
     theirs = await insert_trigger(db, "tests.triggers.EventAfter", "{}", teams[1], 1)
-    async with team_role(db, dsn, teams[0]) as dsn_a:
+    # B listed too, as every team is: A's rows are checked against A's queues, not anyone's.
+    async with team_role(db, dsn, teams[0]) as dsn_a, team_role(db, dsn, teams[1]):
         team_a = Settings(**{**settings.model_dump(), "database_url": dsn_a})
         async with TriggerflowClient(team_a) as c:
             mine = await c.defer(TaskKey("a", "mine", "r"), EventAfter(), queue=teams[0])
@@ -345,6 +346,9 @@ async def test_team_database_role_reaches_only_its_own_queues_rows(
             with pytest.raises(asyncpg.InsufficientPrivilegeError):
                 await conn.execute("INSERT INTO trigger (classpath, kwargs, queue) "
                                    "VALUES ('tests.triggers.EventAfter', '{}', $1)", teams[1])
+            with pytest.raises(asyncpg.InsufficientPrivilegeError, match="row-level security"):
+                await conn.execute("INSERT INTO task_instance (dag_id, task_id, run_id, state, "
+                                   "queue) VALUES ('a', 'planted', 'r', 'scheduled', $1)", teams[1])
             assert await conn.execute("DELETE FROM trigger WHERE id = $1", theirs) == "DELETE 0"
         finally:
             await conn.close()
@@ -390,6 +394,94 @@ async def test_team_cannot_point_its_tasks_at_another_teams_trigger(
         "SELECT state = 'scheduled' FROM task_instance WHERE task_id = 't1'"), 10)
     rows = dict(await db.fetch("SELECT task_id, state FROM task_instance"))
     assert rows == {"t1": "scheduled", "mine": "deferred"}
+
+
+CONSUMER_GRANTS = """
+GRANT SELECT, INSERT, UPDATE, DELETE ON consumer TO {r};
+GRANT SELECT, UPDATE, DELETE ON trigger_cancel_log TO {r};
+"""
+REGISTER = ("INSERT INTO consumer (kind, host, pid, queues, capacity, version, expires_at) "
+            "VALUES ($2, 'x', 1, $1::text[], 10, 'x', now() + interval '1 minute') "
+            "RETURNING id")
+
+
+async def test_a_team_consumer_role_keeps_its_lease_rows_to_its_own_queues(
+    db: Database, dsn: str, teams: list[str],
+) -> None:
+    """Team A's consumer role (its trigger code can read the credentials) registers, renews
+    and leaves rows of its own queues only. Re-pointing its own row at B's queue would plant
+    an idle "peer" for B's consumers to shed their triggers to: the UPDATE policy's
+    ``WITH CHECK`` refuses the new row (migration 0006). The same for its cancel-log entries."""
+    a, b = teams
+    theirs = await db.fetchval(REGISTER, [b], "consumer")
+    writer = await db.fetchval(REGISTER, [], "writer")
+    shared = await db.fetchval(REGISTER, [a, b], "consumer")  # sees it, may not touch it
+    everything = await db.fetchval(REGISTER, [], "consumer")  # no queue list: all of them
+    await db.execute("INSERT INTO trigger_cancel_log (trigger_id, queue) VALUES (1, $1), (2, $2)",
+                     a, b)
+    async with team_role(db, dsn, a) as dsn_a, team_role(db, dsn, b):  # B listed, as it is
+        await db.execute(CONSUMER_GRANTS.format(r=f'"{URL(dsn_a).user}"'))
+        conn = await asyncpg.connect(dsn_a)
+        try:
+            mine = await conn.fetchval(REGISTER, [a], "consumer")
+            for queues, kind in (([b], "consumer"), ([], "consumer"), ([a], "writer")):
+                with pytest.raises(asyncpg.InsufficientPrivilegeError, match="row-level security"):
+                    await conn.fetchval(REGISTER, queues, kind)
+            for queues in ([b], [a, b], []):
+                with pytest.raises(asyncpg.InsufficientPrivilegeError, match="row-level security"):
+                    await conn.execute("UPDATE consumer SET queues = $2::text[] WHERE id = $1",
+                                       mine, queues)
+            with pytest.raises(asyncpg.InsufficientPrivilegeError, match="row-level security"):
+                await conn.execute("UPDATE consumer SET kind = 'writer' WHERE id = $1", mine)
+            # Its own lease it renews; B's it neither sees nor ends; the writer it sees only.
+            assert await conn.execute("UPDATE consumer SET expires_at = now() + interval "
+                                      "'2 minutes' WHERE id = $1", mine) == "UPDATE 1"
+            seen = {r["id"] for r in await conn.fetch("SELECT id FROM consumer")}
+            assert seen == {mine, writer, shared, everything}
+            assert await conn.execute("UPDATE consumer SET expires_at = now() WHERE id <> $1",
+                                      mine) == "UPDATE 0"
+            assert await conn.execute("DELETE FROM consumer WHERE id <> $1", mine) == "DELETE 0"
+            assert await conn.execute("DELETE FROM consumer WHERE id = $1", mine) == "DELETE 1"
+            # Its own entry only: no entry moved to B's queue, B's neither read nor deleted.
+            assert [r["queue"] for r in await conn.fetch("SELECT queue FROM trigger_cancel_log")] == [a]
+            assert await conn.execute("UPDATE trigger_cancel_log SET logged_at = now()") == "UPDATE 1"
+            with pytest.raises(asyncpg.InsufficientPrivilegeError, match="row-level security"):
+                await conn.execute("UPDATE trigger_cancel_log SET queue = $1", b)
+            assert await conn.execute("DELETE FROM trigger_cancel_log WHERE queue = $1", b) == "DELETE 0"
+        finally:
+            await conn.close()
+    rows = {r["id"]: r["queues"] for r in await db.fetch("SELECT id, queues FROM consumer")}
+    assert rows == {theirs: [b], writer: [], shared: [a, b], everything: []}
+    assert await db.fetchval("SELECT count(*) FROM trigger_cancel_log") == 2
+
+
+async def test_unlisted_roles_keep_their_lease_rows_and_the_whole_cancel_log(
+    db: Database, dsn: str, teams: list[str],
+) -> None:
+    """A role not in ``team_queue`` (the shared consumer and writer roles of a single-team
+    deployment) is not restricted by the policies of migration 0006: it leaves (its row goes
+    at once, not at its expiry) and keeps the cancel log of every queue."""
+    role = f"tfopen_{uuid.uuid4().hex[:10]}"
+    await db.execute(f'CREATE ROLE "{role}" LOGIN')
+    try:
+        await db.execute(CONSUMER_GRANTS.format(r=f'"{role}"'))
+        await db.execute("INSERT INTO trigger_cancel_log (trigger_id, queue) VALUES (1, $1)",
+                         teams[1])
+        conn = await asyncpg.connect(str(URL(dsn).with_user(role)))
+        try:
+            writer = await conn.fetchval(REGISTER, [], "writer")
+            consumer = await conn.fetchval(REGISTER, teams, "consumer")
+            assert await conn.execute("UPDATE consumer SET expires_at = now() + interval "
+                                      "'1 hour'") == "UPDATE 2"
+            assert await conn.execute("UPDATE trigger_cancel_log SET logged_at = now()") == "UPDATE 1"
+            assert await conn.execute("DELETE FROM trigger_cancel_log") == "DELETE 1"
+            assert await conn.execute("DELETE FROM consumer WHERE id = ANY($1::bigint[])",
+                                      [writer, consumer]) == "DELETE 2"
+        finally:
+            await conn.close()
+    finally:
+        await db.execute(f'DROP OWNED BY "{role}"')
+        await db.execute(f'DROP ROLE "{role}"')
 
 
 async def test_team_role_cancels_its_own_task_without_a_grant_on_the_cancel_log(

@@ -10,9 +10,14 @@ from typing import Any
 
 import pytest
 
+from tests.test_loops import fast_settings
 from triggerflow import __version__
+from triggerflow.consumer.outcomes import Outcomes
 from triggerflow.lease import Lease, LeaseLost
+from triggerflow.model import EventKind
+from triggerflow.runner import Held
 from triggerflow.store import ProcessKind, Renewal, StoreUnavailable
+from triggerflow.wire import Event
 
 DB_NOW = time.time()  # the database's clock in scripted renewals (equal across compares)
 
@@ -208,3 +213,35 @@ async def test_a_fenced_lease_holds_nothing_until_registered_anew_under_a_new_id
     new = await registering
     assert new == lease.me != old
     assert lease.holds(new) and not lease.holds(old)
+
+
+class Sink:
+    """Records what the consumer's outcomes would publish."""
+
+    def __init__(self) -> None:
+        self.events: list[Event] = []
+
+    def add_many(self, events: list[Event]) -> None:
+        self.events += events
+
+
+async def test_nothing_is_emitted_once_the_deadline_passed_while_renewals_fail() -> None:
+    """Renewals failing with a store error (the broker still up) keep the lease until its
+    deadline, no longer: a trigger that fires after it is no longer surely ours (a peer's
+    reaper may have taken it over at a raised attempt), so its event stays off the wire."""
+    store = ScriptedStore(*(StoreUnavailable("database down") for _ in range(100)))
+    lease = Lease(store, ProcessKind.CONSUMER, queues=["q"], ttl=0.4, renew_interval=0.1)  # type: ignore[arg-type]
+    sink, fired = Sink(), list[Held]()
+    outcomes = Outcomes(sink, lease, fast_settings(), fired.extend)  # type: ignore[arg-type]
+    held = Held(7, 1, "q", "tests.triggers.EventAfter", None, None, None)
+    await lease.register()
+    outcomes.emit(held, EventKind.SUCCESS, {"n": 1})  # within the lease: published
+    async with asyncio.timeout(10):
+        while lease.valid():
+            with pytest.raises(StoreUnavailable):
+                await lease.renew(1)
+            await asyncio.sleep(0.05)
+    outcomes.emit(held, EventKind.SUCCESS, {"n": 2})
+    outcomes.emit_many([held], EventKind.FAIL, {"error": "late"})
+    assert [(e.trigger_id, e.attempt, e.payload) for e in sink.events] == [(7, 1, '{"n":1}')]
+    assert fired == [held]

@@ -31,3 +31,20 @@ def test_order_comparisons_move_by_one() -> None:
         "SELECT 1 FROM c WHERE c.expires_at >= now() AND c.n <= $1",
         "SELECT 1 FROM c WHERE c.expires_at > now() AND c.n < $1",
     ]
+
+
+def test_every_policy_of_the_migrations_is_a_target_and_each_clause_is_made_true() -> None:
+    from tools.mutate_policies import policies, policy_mutants
+
+    found = policies()
+    assert set(found) == {
+        ("trigger", "team_rows"), ("task_instance", "team_rows"), ("consumer", "team_sees"),
+        ("consumer", "team_registers"), ("consumer", "team_renews"), ("consumer", "team_leaves"),
+        ("trigger_cancel_log", "team_entries"), ("trigger", "trigger_id_drawn_by_this_session")}
+    renews = policy_mutants(found["consumer", "team_renews"])
+    described = [m.description for m in renews]
+    assert described[:2] == ["`USING (…)` -> `USING (true)`",
+                             "`WITH CHECK (…)` -> `WITH CHECK (true)`"]
+    assert renews[1].text.endswith("WITH CHECK (true)")
+    # The re-pointing the WITH CHECK exists to refuse, named by its clause:
+    assert any(d.startswith("WITH CHECK: drop `AND queues <@ ARRAY(") for d in described)

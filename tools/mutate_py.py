@@ -2,8 +2,11 @@
 
 ``make mutate-py`` (or ``python -m tools.mutate_py``) runs mutmut over the modules
 ``[tool.mutmut]`` in pyproject.toml names (leases, probation, rebalancing, the reaper, the
-writer and its lanes, the wire format), each mutant against the in-process tests that reach
-the mutated function, then prints one row per module. The rows and every survivor's diff go
+writer and its lanes, the wire format; the consumer's outcomes, strikes and runner, the
+clock-skew check), each mutant against the in-process tests that reach the mutated function
+(the selection there: ``tests/test_lease.py`` reaches the outcomes' lease check,
+``tests/test_clock_skew.py`` the skew bound, ``tests/test_loop_block.py`` the strikes), then
+prints one row per module. The rows and every survivor's diff go
 to ``--report`` (markdown). ``--report-only`` tables the last run's results without running;
 ``--survivors`` runs again only what survived (after adding tests).
 

@@ -11,6 +11,7 @@ restores the constant. A mutant is *killed* when a case fails, *survived* when a
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import re
 import sys
@@ -19,42 +20,158 @@ from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
 from typing import Any, cast
 
+import asyncpg
 import pytest
 from _pytest.runner import runtestprotocol
 
-from tools.sql_mutants import mutants
+from tools import mutate_policies
+from tools.sql_mutants import Mutant, mutants
 
-# (module, constant, the pytest id part of that store's cases): the statements by role
 NATIVE = "triggerflow.store.postgres.statements."
 AIRFLOW = "triggerflow.airflow.statements."
-TARGETS: list[tuple[str, str, str]] = [
-    *((NATIVE + module, name, "postgres") for module, name in (
+LEASE_FIELDS = ("renew", "unregister", "announce_presence", "presence_gone", "writer_gone")
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where a store reads a statement at run time: a module constant (``CLAIM``), a field
+    of a frozen dataclass of statements (``NATIVE.renew``, read when a store is built), or
+    an entry of a dict of them (``APPLY_FOR[3.3]``, what ``apply_events`` runs); ``store``:
+    the pytest id part of that store's cases; ``label``: its name in the report."""
+
+    module: str
+    path: str
+    store: str
+    label: str = ""
+
+    @property
+    def name(self) -> str:
+        return self.label or re.split(r"[.\[]", self.path)[-1]
+
+    def get(self) -> str:
+        constant, field, key = _parts(self.path)
+        value = getattr(_load(self.module), constant)
+        return str(value[key] if key else getattr(value, field) if field else value)
+
+    def mutants(self, original: str) -> list[Mutant]:
+        return mutants(original, before=SCOPE.get((self.store, self.name)))
+
+    def set(self, text: str) -> None:
+        module = _load(self.module)
+        constant, field, key = _parts(self.path)
+        value = getattr(module, constant)
+        if key:
+            value[key] = text
+        elif field:
+            setattr(module, constant, dataclasses.replace(value, **{field: text}))
+        else:
+            setattr(module, constant, text)
+
+
+@dataclass(frozen=True)
+class PolicyTarget:
+    """A row-security policy (``tools/mutate_policies.py``), put in place in the session's
+    template database: ``server`` and ``template`` as the suite's fixtures made them."""
+
+    table: str
+    policy: str
+    text: str
+    server: str
+    template: str
+    store: str = "postgres"
+
+    @property
+    def name(self) -> str:
+        return f"{self.table}_{self.policy}"
+
+    @classmethod
+    def all(cls, config: pytest.Config) -> list[PolicyTarget]:
+        made = config.stash.get(_FIXTURES, {})
+        if "pg_server" not in made or "template_db" not in made:
+            return []  # no policy case ran in the baseline
+        return [cls(table, policy, text, made["pg_server"], made["template_db"])
+                for (table, policy), text in mutate_policies.policies().items()]
+
+    def get(self) -> str:
+        return self.text
+
+    def mutants(self, original: str) -> list[Mutant]:
+        return mutate_policies.policy_mutants(original)
+
+    def set(self, text: str) -> None:
+        mutate_policies.put(self.server, self.template, self.table, self.policy, text)
+
+
+_FIXTURES = pytest.StashKey[dict[str, str]]()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_fixture_setup(fixturedef: pytest.FixtureDef[Any],
+                         request: pytest.FixtureRequest) -> Any:
+    """Keep the PostgreSQL server's URL and the template database's name for the policies."""
+    value = yield
+    if fixturedef.argname in ("pg_server", "template_db"):
+        request.config.stash.setdefault(_FIXTURES, {})[fixturedef.argname] = value
+    return value
+
+
+def _parts(path: str) -> tuple[str, str, str]:
+    m = re.fullmatch(r"(\w+)(?:\.(\w+)|\[([\w.]+)\])?", path)
+    assert m, path
+    return m.group(1), m.group(2) or "", m.group(3) or ""
+
+
+TARGETS: list[Target] = [
+    *(Target(NATIVE + module, name, "postgres") for module, name in (
         ("claims", "CLAIM"), ("claims", "CLAIM_PROBATION"), ("writer", "APPLY_EVENTS"),
         ("reaper", "REAP_DEAD"), ("claims", "RELEASE"), ("claims", "RELEASE_LOST"),
         ("claims", "SWEEP_CANCELLED"), ("reaper", "TIMEOUT_ORPHANS"), ("deferral", "CANCEL"),
         ("claims", "STRIKE"), ("claims", "TAKEN_SINCE"))),
-    *((AIRFLOW + module, name, "airflow") for module, name in (
+    *(Target(AIRFLOW + module, name, "airflow") for module, name in (
         ("claims", "CLAIM"), ("claims", "CLAIM_PROBATION"), ("reaper", "REAP_DEAD"),
         ("claims", "RELEASE"), ("claims", "RELEASE_LOST"), ("claims", "STRIKE"),
         ("claims", "TAKEN_SINCE"))),
-    ("triggerflow.airflow.events", "APPLY", "airflow"),
-    ("triggerflow.airflow.cancels", "CREATE", "airflow"),
-    ("triggerflow.airflow.liveness", "BEAT_IF_SERVED", "airflow"),
+    # The lease and presence statements: the native store reads them from its statements
+    # module, the Airflow store from its own namespace (it imports LEASE by name).
+    *(Target(NATIVE + "lease", f"NATIVE.{f}", "postgres") for f in LEASE_FIELDS),
+    *(Target("triggerflow.airflow.store", f"LEASE.{f}", "airflow") for f in LEASE_FIELDS),
+    Target("triggerflow.airflow.events", "APPLY_FOR[3.3]", "airflow", "APPLY"),
+    Target("triggerflow.airflow.cancels", "READ", "airflow"),
+    Target("triggerflow.airflow.cancels", "CREATE", "airflow"),
+    Target("triggerflow.airflow.liveness", "BEAT_IF_SERVED", "airflow"),
 ]
 # Statements no store method runs: their cases are a test module's, all of it.
 OWN_CASES = {"CREATE": "tests/test_airflow_cancel_log.py",
              "BEAT_IF_SERVED": "tests/test_airflow_liveness.py"}
+# Cases outside the contract suite that can kill a statement's mutants, run after the
+# contract cases that call it (node id prefixes).
+EXTRA_CASES = {
+    ("postgres", "SWEEP_CANCELLED"): ["tests/test_cancel_log.py::"],  # the log's housekeeping
+    ("airflow", "APPLY"): ["tests/test_airflow_golden.py::"],  # what Airflow's code writes
+    ("airflow", "READ"): ["tests/test_airflow_store.py::test_an_entry_committed_after",
+                          "tests/test_airflow_store.py::test_cancel_log_records",
+                          "tests/test_airflow_store.py::test_sweep_and_clean_unused"],
+}
+# The row-security policies' cases: the attacks of team roles on other teams' rows, and the
+# processes on the documented unlisted roles (which the policies must leave alone).
+POLICY_CASES = ["tests/test_isolation.py::test_team_", "tests/test_isolation.py::test_a_team_",
+                "tests/test_trigger_ids.py::test_a_team_", "tests/test_task_keys.py::test_a_team_",
+                "tests/test_documented_roles.py::test_per_team_",
+                "tests/test_isolation.py::test_unlisted_roles_",
+                "tests/test_documented_roles.py::test_every_component_"]
 # Store classes, and which of their methods run which constant (read from their source).
 STORES = {"postgres": "triggerflow.store.postgres.store:PostgresStore",
           "airflow": "triggerflow.airflow.store:AirflowStore"}
-INDIRECT = {("airflow", "APPLY"): "apply_events"}  # through events.apply_events
+INDIRECT = {("airflow", "APPLY"): "apply_events",  # through events.apply_events
+            ("airflow", "READ"): "sweep_cancelled"}  # through cancels.CancelLog
 # Mutated only up to this text: what follows in Airflow's APPLY (callback requests, XComs)
 # is Airflow's bookkeeping, checked by tests/test_airflow_golden.py, not a Store contract.
 SCOPE = {("airflow", "APPLY"): "), detached AS ("}
-_LINE = re.compile(r"^(killed|survived|invalid)\s+(\w+)\.(\w+) (L\d+: .*?) ?(test_\S+|\w+Error)?$")
+# A progress line; a policy's mutant names its clause, or is a clause made `true`.
+_LINE = re.compile(r"^(killed|survived|invalid)\s+(\w+)\.(\w+) "
+                   r"((?:L\d+:|USING:|WITH CHECK:|`).*?) ?(test_\S+|\w+Error)?$")
 _INVALID = re.compile(r"PostgresSyntaxError|UndefinedColumnError|UndefinedTableError|"
                       r"AmbiguousColumnError|DatatypeMismatchError|GroupingError|"
                       r"UndefinedFunctionError|InvalidColumnReferenceError")
@@ -87,13 +204,17 @@ def _load(spec: str) -> Any:
     return getattr(mod, attr) if attr else mod
 
 
-def _methods_using(store: str, module: str, statement: str) -> set[str]:
-    if (store, statement) in INDIRECT:
-        return {INDIRECT[store, statement]}
-    cls = _load(STORES[store])
-    alias = module.rsplit(".", 1)[-1]  # the store imports each statement module by its name
-    return {name for name, fn in vars(cls).items() if inspect.isfunction(fn)
-            and re.search(rf"\b{alias}\.{statement}\b", inspect.getsource(fn))}
+def _methods_using(target: Target) -> set[str]:
+    if (target.store, target.name) in INDIRECT:
+        return {INDIRECT[target.store, target.name]}
+    cls = _load(STORES[target.store])
+    constant, field, _ = _parts(target.path)
+    # The store imports each statement module by its name; it keeps its lease statements
+    # (a dataclass) as ``self._lease``, in methods of its base class.
+    used = rf"\b_lease\.{field}\b" if field else \
+        rf"\b{target.module.rsplit('.', 1)[-1]}\.{constant}\b"
+    return {name for name, fn in inspect.getmembers(cls, inspect.isfunction)
+            if re.search(used, inspect.getsource(fn))}
 
 
 class Recorder:
@@ -106,11 +227,10 @@ class Recorder:
 
     def install(self) -> None:
         for store, spec in STORES.items():
-            cls = _load(spec)
-            for name, fn in list(vars(cls).items()):
-                if inspect.iscoroutinefunction(fn):
-                    self._saved.append((cls, name, fn))
-                    setattr(cls, name, self._wrap(f"{store}.{name}", fn))
+            cls = _load(spec)  # its own methods and its base class's, wrapped on it
+            for name, fn in inspect.getmembers(cls, inspect.iscoroutinefunction):
+                self._saved.append((cls, name, vars(cls).get(name)))
+                setattr(cls, name, self._wrap(f"{store}.{name}", fn))
 
     def _wrap(self, key: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         async def recorded(*args: Any, **kwargs: Any) -> Any:
@@ -120,7 +240,10 @@ class Recorder:
 
     def uninstall(self) -> None:
         for cls, name, fn in self._saved:
-            setattr(cls, name, fn)
+            if fn is None:  # inherited: the base class's shows through again
+                delattr(cls, name)
+            else:
+                setattr(cls, name, fn)
 
 
 def _run(items: list[pytest.Item]) -> Iterator[tuple[pytest.Item, bool, str]]:
@@ -156,14 +279,15 @@ def pytest_runtestloop(session: pytest.Session) -> bool | None:
     verify = config.getoption("--mutate-verify")
     results: list[Result] = []
     started = time.monotonic()
-    for module_name, name, store in TARGETS:
+    targets: list[Target | PolicyTarget] = [*TARGETS, *PolicyTarget.all(config)]
+    for target in targets:
+        name, store = target.name, target.store
         if only and name not in only:
             continue
-        module: ModuleType = _load(module_name)
-        original = getattr(module, name)
-        cases = _cases(items, recorder, store, module_name, name)
+        original = target.get()
+        cases = _cases(items, recorder, target)
         kills: dict[str, int] = defaultdict(int)  # a case that killed a mutant goes first next
-        for mutant in mutants(original, before=SCOPE.get((store, name))):
+        for mutant in target.mutants(original):
             before = kept.get((store, name, mutant.description))
             if before is not None and not (verify and before.outcome == "killed"):
                 results.append(before)
@@ -171,20 +295,9 @@ def pytest_runtestloop(session: pytest.Session) -> bool | None:
             # A case that killed this mutant before, then those that killed its siblings.
             cases.sort(key=lambda item: (not (before and item.nodeid.endswith(before.by)),
                                          -kills[item.nodeid]))
-            setattr(module, name, mutant.text)
-            try:
-                result = Result(store, name, mutant.description, "survived")
-                for item, passed, text in _run(cases):
-                    if not passed:
-                        invalid = _INVALID.search(text)
-                        result.outcome = "invalid" if invalid else "killed"
-                        result.by = invalid.group() if invalid else item.nodeid.split("::")[-1]
-                        kills[item.nodeid] += 1
-                        break
-                if not cases:
-                    result.by = "(no case calls it)"
-            finally:
-                setattr(module, name, original)
+            result = _try(target, original, mutant, cases)
+            if result.outcome == "killed":
+                kills[next(i.nodeid for i in cases if i.nodeid.endswith("::" + result.by))] += 1
             results.append(result)
             config.get_terminal_writer().line(
                 f"{result.outcome:8} {store}.{name} {mutant.description} {result.by}")
@@ -192,15 +305,58 @@ def pytest_runtestloop(session: pytest.Session) -> bool | None:
     return True
 
 
-def _cases(items: list[pytest.Item], recorder: Recorder, store: str, module: str,
-           name: str) -> list[pytest.Item]:
-    """The cases that run statement ``name``: its own module's, else the store's cases that
-    called a method using it in the baseline."""
+def _try(target: Target | PolicyTarget, original: str, mutant: Mutant,
+         cases: list[pytest.Item]) -> Result:
+    """Put ``mutant`` in place, run ``cases`` until one fails, put the original back."""
+    result = Result(target.store, target.name, mutant.description, "survived")
+    try:
+        target.set(mutant.text)
+    except asyncpg.PostgresError as exc:  # a policy PostgreSQL refuses (rolled back)
+        result.outcome, result.by = "invalid", type(exc).__name__
+        return result
+    try:
+        for item, passed, text in _run(cases):
+            if not passed:
+                invalid = _INVALID.search(text)
+                result.outcome = "invalid" if invalid else "killed"
+                result.by = invalid.group() if invalid else item.nodeid.split("::")[-1]
+                break
+        if not cases:
+            result.by = "(no case calls it)"
+    finally:
+        target.set(original)
+    return result
+
+
+def _cases(items: list[pytest.Item], recorder: Recorder,
+           target: Target | PolicyTarget) -> list[pytest.Item]:
+    """The cases that run a statement: its own module's, else the store's cases that called
+    a method using it in the baseline; then those of ``EXTRA_CASES``."""
+    store, name = target.store, target.name
+    if isinstance(target, PolicyTarget):
+        return [i for i in items if i.nodeid.startswith(tuple(POLICY_CASES))]
     if name in OWN_CASES:
         return [i for i in items if i.nodeid.startswith(OWN_CASES[name] + "::")]
-    callers = set().union(*(recorder.calls[f"{store}.{m}"]
-                            for m in _methods_using(store, module, name)))
-    return [i for i in items if i.nodeid in callers and f"[{store}" in i.nodeid]
+    callers = set().union(*(recorder.calls[f"{store}.{m}"] for m in _methods_using(target)))
+    extra = tuple(EXTRA_CASES.get((store, name), ()))
+    return ([i for i in items if i.nodeid in callers and f"[{store}" in i.nodeid]
+            + [i for i in items if extra and i.nodeid.startswith(extra)])
+
+
+def _wanted(item: pytest.Item) -> bool:
+    """A contract case of a SQL store, or a case some statement or policy names."""
+    if item.nodeid.startswith("tests/contract/"):
+        return "[postgres" in item.nodeid or "[airflow" in item.nodeid
+    prefixes = [*(p + "::" for p in OWN_CASES.values()), *POLICY_CASES,
+                *(p for ps in EXTRA_CASES.values() for p in ps)]
+    return item.nodeid.startswith(tuple(prefixes))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--mutate"):
+        dropped = [i for i in items if not _wanted(i)]
+        items[:] = [i for i in items if _wanted(i)]
+        config.hook.pytest_deselected(items=dropped)
 
 
 def _kept(path: str, again: str) -> dict[tuple[str, str, str], Result]:
@@ -247,10 +403,12 @@ def _table(results: list[Result], seconds: float) -> str:
 
 
 def main() -> int:
-    """``python -m tools.mutate_sql [pytest args]``: the contract suite on both SQL stores."""
-    return int(pytest.main(["-q", "-p", "tools.mutate_sql", "--mutate",
-                            "tests/contract", *OWN_CASES.values(),
-                            "-k", "postgres or airflow or test_airflow_", *sys.argv[1:]]))
+    """``python -m tools.mutate_sql [pytest args]``: the contract suite on both SQL stores,
+    and the cases outside it that statements and policies name (``_wanted``)."""
+    files = {p.split("::")[0] for p in [*OWN_CASES.values(), *POLICY_CASES,
+                                        *(p for ps in EXTRA_CASES.values() for p in ps)]}
+    return int(pytest.main(["-q", "-p", "tools.mutate_sql", "--mutate", "tests/contract",
+                            *sorted(files), *sys.argv[1:]]))
 
 
 if __name__ == "__main__":

@@ -64,3 +64,24 @@ async def test_a_writers_closed_connection_ends_only_that_writers_lease(backend:
     await backend.travel(0.1)
     assert await store.renew(writer, TTL, 0, []) is None  # its row reads dead
     assert await store.renew(consumer, TTL, 0, [A]) is not None
+
+
+async def test_a_renewal_says_whether_a_peer_of_its_queues_is_dead(backend: Backend) -> None:
+    """What starts a reaper sweep at once: an expired row sharing one of my queues, not mine
+    (alive) nor one of another queue's (its own consumers reap it)."""
+    store = backend.store
+
+    async def dead_peers(me: int, queues: list[str]) -> bool:
+        renewal = await store.renew(me, 600, 0, queues, subscribed=True)
+        assert renewal is not None
+        return bool(renewal.dead_peers)
+
+    me = await register(backend, [A], ttl=600)
+    theirs = await register(backend, [B], ttl=600)
+    await register(backend, [B], ttl=20)
+    assert not await dead_peers(me, [A])  # only live rows: mine
+    await backend.travel(30)  # B's second consumer expires
+    assert not await dead_peers(me, [A])
+    assert await dead_peers(theirs, [B])
+    both = await register(backend, [A, B], ttl=600)
+    assert await dead_peers(both, [A, B])
