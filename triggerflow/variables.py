@@ -45,6 +45,8 @@ READ_ELSEWHERE: dict[str, str] = {
     "TRIGGERFLOW_FAILOVER_LEAD": "tests/test_stuck_faults.py: start lead of the failover test",
     "TRIGGERFLOW_BENCH_LATENESS_LEAD": "bench/lateness.py (`triggerflow bench`): claim lead",
     "TRIGGERFLOW_PG_CLUSTER": ".ci/services: the CI machine's PostgreSQL cluster",
+    "TRIGGERFLOW_TEST_MODEL_SEED": "tests/contract/test_model.py, tests/test_codec_properties.py: "
+                                   "draw other sequences than the fixed ones",
 }
 
 

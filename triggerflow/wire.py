@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from operator import attrgetter
-from typing import Any, Protocol, TypeVar
+from typing import Annotated, Any, Protocol, TypeVar
 
 import msgspec
 
@@ -36,12 +36,18 @@ class WireError(TriggerflowError, ValueError):
     """A message that cannot be decoded; the caller dead-letters it with this reason."""
 
 
+# A trigger id as the stores hold it (bigint). Bounded at decoding: one id past it in a
+# wake-up made the consumer's claim of its whole batch fail, requeued with the batch, again
+# and again (the legitimate wake-ups beside it never claimed).
+TriggerId = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
+
+
 class Wakeup(msgspec.Struct, forbid_unknown_fields=False):
     """Deferral wake-up: "these triggers of your queue want running". v1 had one ``id``."""
 
     v: int
-    ids: list[int] = []
-    id: int | None = None
+    ids: list[TriggerId] = []
+    id: TriggerId | None = None
 
 
 # The values of ``model.EventKind``, spelled here so that an event of any other kind fails to

@@ -203,3 +203,16 @@ async def test_a_resume_moves_a_task_that_may_still_be_retried(backend: Backend)
     await backend.allow_retries(t, 2)
     assert len(await backend.store.apply_events([event(t, 1, A)])) == 1
     assert (await backend.task(t)).state == "scheduled"
+
+
+async def test_only_the_first_event_of_an_attempt_in_a_batch_is_read(backend: Backend) -> None:
+    """A batch naming one attempt twice: the first event moves the task, the later one is
+    neither applied nor read (its bad content refuses nothing). Found by the model-based
+    test (test_model.py): the memory store read every event and refused the batch."""
+    only(backend, "memory", "postgres",
+         why="Airflow mode hands an attempt's later events on (asset watchers, callbacks)")
+    t, _ = await claimed(backend)
+    applied = await backend.store.apply_events(
+        [event(t, 1, A), event(t, 1, A, "fail", payload="{not json")])
+    assert [(a.kind, a.queue) for a in applied] == [("resume", A)]
+    assert (await backend.task(t)).next_kwargs == {**NEXT_KWARGS, "event": PAYLOAD}

@@ -13,14 +13,17 @@ from triggerflow.store.interface import (
     EventRefused,
 )
 from triggerflow.store.memory.state import MemoryState, StoredTask
-from triggerflow.wire import EVENT_KINDS, Event
+from triggerflow.wire import EVENT_KINDS, Event, first_per_attempt
 
 
 class MemoryEvents(MemoryState):
     async def apply_events(self, events: Sequence[Event]) -> list[Applied]:
         # Only what moves a task has its content read (as the SQL casts only those rows):
         # a stale, duplicate or unknown event changes nothing, whatever its payload.
-        current = [ev for ev in sorted(events, key=lambda ev: ev.trigger_id) if self._fenced_in(ev)]
+        # One event per (trigger, attempt), the first, as the SQL stores take them: a later
+        # one of the same attempt is neither applied nor read.
+        firsts = sorted(first_per_attempt(events), key=lambda ev: ev.trigger_id)
+        current = [ev for ev in firsts if self._fenced_in(ev)]
         # Read before anything changes: bad content refuses the whole batch (one transaction).
         payloads = {id(ev): self._payload(ev) for ev in current if self._deferred_on(ev.trigger_id)}
         applied = []
