@@ -87,7 +87,7 @@ mutate-py: venv
 # The Airflow e2e tests against another Airflow release, in a venv of its own
 # (.venv-airflow-<version>): `make test-airflow-version AIRFLOW_VERSION=3.2.2`. The stack's
 # processes (scheduler, API server, dag-processor, `airflow triggerer`) are that release's;
-# triggerflow refuses a schema revision it was not checked against (docs/airflow.md,
+# triggerflow refuses a schema revision it was not checked against (docs/airflow-reference.md,
 # "Supported versions": 3.2 and 3.3).
 AIRFLOW_VERSION ?= 3.3.2
 STANDARD_PROVIDER ?= 1.21.0
@@ -110,7 +110,7 @@ $(AF_VENV)/.installed: pyproject.toml
 test-airflow-version: $(AF_VENV)/.installed
 	PATH=$(CURDIR)/$(AF_VENV)/bin:$$PATH $(AF_VENV)/bin/pytest -q $(AIRFLOW_TESTS) $(PYTEST_ARGS)
 
-# The second Airflow minor .ci/run tests (docs/airflow.md, "Supported versions"): with Airflow
+# The second Airflow minor .ci/run tests (docs/airflow-reference.md, "Supported versions"): with Airflow
 # 3.2.2's code and schema, every in-process Airflow test (those of 3.3-only features skip),
 # in the stages of `make test`, then six real-stack modules (each case under Airflow's
 # triggerer, then triggerflow, on the same DAGs).

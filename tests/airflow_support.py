@@ -65,7 +65,7 @@ def airflow_minor() -> str:
 
 
 # A feature Airflow 3.2 does not have (shared streams, the asset state store): its tests run
-# on 3.3 only (docs/airflow.md, "Supported versions").
+# on 3.3 only (docs/airflow-reference.md, "Supported versions").
 airflow_3_3_only = pytest.mark.skipif(
     airflow_minor() == "3.2", reason="an Airflow 3.3 feature (3.2 has none)")
 

@@ -12,7 +12,7 @@ so "applied once" is counted on the new primary, not inferred.
 Replication is synchronous (``synchronous_standby_names = '*'``): a commit returns only once
 the standby has it, so nothing a writer committed (and then acked to the broker) is lost
 with the primary. With asynchronous replication the last commits before the crash may be;
-docs/operations.md says what that means.
+docs/upgrade-backup.md and docs/failure-modes.md say what that means.
 """
 
 from __future__ import annotations

@@ -115,7 +115,7 @@ async def test_airflow_timers_go_on_the_heap_and_encode_as_airflows_run() -> Non
 
 
 async def test_a_resume_is_held_until_the_deferral_is_old_enough() -> None:
-    """The scheduler race's hold (docs/airflow.md): a timer already due whose deferral is too
+    """The scheduler race's hold (docs/airflow-race.md): a timer already due whose deferral is too
     recent runs as Airflow's coroutine and resumes no sooner than ``not_before``, with the
     payload Airflow's ``run()`` gives; a task-end event is not held; an old deferral's timer
     stays on the heap."""

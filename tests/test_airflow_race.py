@@ -1,7 +1,6 @@
 """The scheduler race, on the real stack (scheduler, API server, dag-processor, LocalExecutor,
 no ``airflow triggerer``): triggers that fire the moment their task defers must not make
-Airflow 3.3.2's scheduler fail the task ("state mismatch"). docs/airflow.md, "The scheduler
-race", explains the race and triggerflow's hold.
+Airflow 3.3.2's scheduler fail the task ("state mismatch"). docs/airflow-race.md explains the race and triggerflow's hold.
 """
 
 from __future__ import annotations
@@ -82,7 +81,7 @@ def run_to_end(stack: AirflowStack,
 
 def exit_lags(stack: AirflowStack, deferred_at: dict[int, datetime]) -> list[float]:
     """Per instance, seconds from its deferral until the scheduler handled the deferring
-    worker's exit: the hold an event needs to be safe (docs/airflow.md)."""
+    worker's exit: the hold an event needs to be safe (docs/airflow-race.md)."""
     seen: dict[int, datetime] = {}
     for line in (stack.home / "scheduler.log").read_text(errors="replace").splitlines():
         match = EXIT_SEEN.match(line)

@@ -150,7 +150,7 @@ def answer_hitl(stack: AirflowStack, out: Outcome) -> None:
 def open_endpoint(endpoint: Endpoint, out: Outcome) -> None:
     """Answer 200 once the HTTP sensor has been deferred a while and its trigger has polled
     (a 404 after the worker's own first poke). Not sooner: a trigger that fires right after
-    the deferral meets Airflow's scheduler race (docs/airflow.md), under either triggerer,
+    the deferral meets Airflow's scheduler race (docs/airflow-race.md), under either triggerer,
     and the suite's triggerflow runs without the hold (tests/conftest.py FAST)."""
     if out.states.get(HTTP) == "deferred":
         out.http_deferred_since = out.http_deferred_since or time.monotonic()

@@ -1,4 +1,4 @@
-"""Backup and restore in native mode, as docs/operations.md ("Backup and restore") says, its
+"""Backup and restore in native mode, as docs/upgrade-backup.md ("Backup and restore") says, its
 SQL run as printed: N deferrals, ``pg_dump``, M more whose events wait in the broker (the
 writer stopped), the database dropped and restored, K new deferrals, then consumers and a
 writer again. The N complete, the M are gone, and no event from before the restore moves
@@ -30,10 +30,10 @@ N, M, K = 20, 20, 20
 
 def restore_sql() -> str:
     """The SQL block of the docs' restore procedure."""
-    page = (ROOT / "docs" / "operations.md").read_text()
+    page = (ROOT / "docs" / "upgrade-backup.md").read_text()
     section = page.split("## Backup and restore", 1)[1].split("\n## ", 1)[0]
     found = re.search(r"```sql\n(.*?)```", section, re.S)
-    assert found is not None, "docs/operations.md: no SQL in 'Backup and restore'"
+    assert found is not None, "docs/upgrade-backup.md: no SQL in 'Backup and restore'"
     return found.group(1)
 
 

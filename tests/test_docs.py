@@ -22,10 +22,10 @@ from triggerflow.settings import Settings
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_architecture_module_map_matches_the_package_tree() -> None:
-    page = (ROOT / "docs" / "architecture.md").read_text()
+def test_the_module_map_matches_the_package_tree() -> None:
+    page = (ROOT / "docs" / "modules.md").read_text()
     assert page == with_module_map(page), (
-        "regenerate: triggerflow docs modules --page docs/architecture.md")
+        "regenerate: triggerflow docs modules --page docs/modules.md")
 
 
 def test_module_map_lists_every_module_with_its_docstring() -> None:

@@ -1,4 +1,4 @@
-"""A rolling upgrade under live traffic, in the documented order (docs/operations.md,
+"""A rolling upgrade under live traffic, in the documented order (docs/upgrade-backup.md,
 "Rolling restarts and upgrades"): the previous release's fleet (2 writers, 2 consumers, a
 worker deferring with its SDK) runs on the previous migration head; ``db upgrade`` runs
 under it; writers, then consumers are replaced one by one (SIGTERM, this release started);

@@ -312,7 +312,7 @@ async def test_purged_events_leave_no_task_deferred_past_its_timeout(
                          message="spy saw the events")
         assert await purge_events_queue(settings) >= 1  # lost before any writer read them
     procs.writer()
-    # Documented bound: timeout + 2 s + one reaper interval (docs/operations.md).
+    # Documented bound: timeout + 2 s + one reaper interval (docs/failure-modes.md).
     bound = timeout + 2 + FAST["reaper_interval"]
     await wait_until(lambda: db.fetchval(
         "SELECT count(*) = 0 FROM task_instance WHERE state = 'deferred'"),
@@ -416,7 +416,7 @@ async def test_cancel_by_the_sweep_with_control_messages_dropped(
 DEFAULTS = {name: Settings.model_fields[name].default for name in (
     "lease_ttl", "renew_interval", "reaper_interval", "unclaimed_grace", "cancel_sweep_interval",
     "subscription_check_interval", "probation_seconds")}
-FAILOVER_PROMISE = 5.0  # docs/operations.md: SIGKILL failover <= 5 s with default settings
+FAILOVER_PROMISE = 5.0  # docs/failure-modes.md: SIGKILL failover <= 5 s with default settings
 
 
 async def _registered(db: Database, proc: object) -> int:
@@ -467,7 +467,7 @@ async def _sigkill_failover_once(client: TriggerflowClient, db: Database, procs:
 async def test_sigkill_failover_of_2000_timers_with_default_settings(
     client: TriggerflowClient, db: Database, procs: Processes, teams: list[str],
 ) -> None:
-    """``TRIGGERFLOW_FAILOVER_REPS=20`` measures the distribution docs/operations.md reports."""
+    """``TRIGGERFLOW_FAILOVER_REPS=20`` measures the distribution docs/failure-modes.md describes."""
     procs.writer()
     reps = int(os.environ.get("TRIGGERFLOW_FAILOVER_REPS", "2"))
     runs = []

@@ -1,5 +1,5 @@
 """Generates docs/configuration.md from the settings model and the module map of
-docs/architecture.md from the source tree (tests compare both with the pages).
+docs/modules.md from the source tree (tests compare both with the pages).
 
 Which commands read a setting comes from the CLI itself (the options each command declares),
 so the page cannot drift from ``--help`` either.
@@ -166,7 +166,7 @@ def _table(root: Path) -> list[str]:
 
 
 def module_map() -> str:
-    """The module tables of docs/architecture.md: every module and package of each tree in
+    """The module tables of docs/modules.md: every module and package of each tree in
     ``MAP_ROOTS``, described by its own docstring, so the map changes when the tree does."""
     lines = [MAP_START]
     for folder, what in MAP_ROOTS:

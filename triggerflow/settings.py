@@ -50,7 +50,7 @@ def seconds(n: float) -> timedelta:
 
 
 # Airflow mode's hold after a deferral: the smallest delay measured safe on the real stack
-# (docs/airflow.md, "The scheduler race").
+# (docs/airflow-race.md).
 AIRFLOW_RESUME_DELAY = 20.0
 
 
@@ -163,7 +163,7 @@ class Settings(BaseModel):
     )
     namespace: str = Field("triggerflow", description="Prefix of every exchange and shared queue.")
 
-    # -- Airflow mode (docs/airflow.md) ---------------------------------------------------
+    # -- Airflow mode (docs/airflow-reference.md) -----------------------------------------
     airflow: bool = Field(
         False,
         description=(
@@ -185,7 +185,7 @@ class Settings(BaseModel):
         description=(
             "Airflow mode: a consumer sends no event that puts a task back to 'scheduled' "
             "sooner than this after the task deferred, so Airflow's scheduler has seen the "
-            "deferring worker exit first (docs/airflow.md, 'The scheduler race'). 0: off."
+            "deferring worker exit first (docs/airflow-race.md). 0: off."
         ),
     )
 

@@ -1,4 +1,4 @@
-"""Event-driven scheduling from a RabbitMQ queue, the example of docs/airflow.md:
+"""Event-driven scheduling from a RabbitMQ queue, the example of docs/airflow-reference.md:
 ``RabbitMQQueueTrigger`` (``triggerflow/airflow/rabbitmq.py``) makes each message of the
 queue one asset event, acked only once that event is committed, and each asset event
 schedules a run of the DAG. The broker is the Airflow connection ``tf_rabbitmq``; the queue's

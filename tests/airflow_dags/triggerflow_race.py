@@ -3,7 +3,7 @@
 Each mapped DateTimeSensorAsync waits for a moment long past, so its DateTimeTrigger fires as
 soon as a triggerer runs it: with triggerflow, milliseconds after the deferral, before Airflow's
 scheduler may have seen the worker that deferred exit. tests/test_airflow_race.py asserts that
-every instance still ends ``success`` (see docs/airflow.md, "The scheduler race").
+every instance still ends ``success`` (see docs/airflow-race.md).
 """
 
 from __future__ import annotations

@@ -57,8 +57,8 @@ class AirflowCoroutine(BaseTrigger):
 
     ``not_before`` (epoch seconds) holds an event that puts the task back to ``scheduled``
     (resume, ``__fail__``) until then: Airflow 3.3.2's scheduler fails a task that it queues
-    again before it has seen the worker that deferred it exit (docs/airflow.md, "The
-    scheduler race"). Task-end events never requeue the task and are not held.
+    again before it has seen the worker that deferred it exit (docs/airflow-race.md).
+    Task-end events never requeue the task and are not held.
     """
 
     def __init__(self, trigger: Any, not_before: float | None = None, *,

@@ -90,10 +90,10 @@ def register(main: click.Group) -> None:
 
     @docs.command("modules")
     @click.option("--page", type=click.Path(dir_okay=False, exists=True),
-                  default="docs/architecture.md", show_default=True,
+                  default="docs/modules.md", show_default=True,
                   help="Page whose module map is rewritten in place.")
     def docs_modules(page: str) -> None:
-        """Rewrite the module map of the architecture page from the package tree."""
+        """Rewrite the module map of the modules page from the package tree."""
         with_module_map = from_checkout("tools.docgen").with_module_map
         path = Path(page)
         path.write_text(with_module_map(path.read_text()))

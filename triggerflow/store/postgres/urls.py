@@ -2,7 +2,7 @@
 
 libpq and asyncpg take ``postgresql://user@h1:5432,h2:5432/db?target_session_attrs=read-write``
 and try the hosts in turn until one is read-write: after a standby is promoted every new
-connection finds it (docs/operations.md, "The database primary fails"). SQLAlchemy's
+connection finds it (docs/failure-modes.md, "PostgreSQL restart or failover"). SQLAlchemy's
 ``make_url`` (migrations, ``with_database``) cannot parse a port list in the authority and
 wants the hosts as repeated ``?host=h:port`` parameters instead; these two functions move them
 from one form to the other, so a URL is still only ever edited through ``make_url``.
