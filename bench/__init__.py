@@ -18,7 +18,8 @@ million, promote, nodeloss, zone (default: all). Bursts print their all-applied 
 ``reference``, the bare path measured in the same run (``reference.py``). ``airflow``, on
 its own, runs the Airflow-mode bench instead (``airflow.py``: a real Airflow 3.3.2 stack;
 needs the ``triggerflow[airflow]`` extra); ``airflow-million``, on its own, one consumer
-holding 1,000,000 waiting Airflow triggers (``airflow_million.py``). ``--quick``
+holding 1,000,000 waiting Airflow triggers (``airflow_million.py``); ``chaos``, on its own, a
+randomized fault schedule with a checker of the whole history (``chaos.py``). ``--quick``
 runs tiny sizes (a smoke test). Raw results go to ``bench-results/``; a full run also
 replaces each scenario's entry in ``bench/results.json`` and rewrites
 ``docs/performance-results.md`` from it (``results.py``), and plots the burst latency
@@ -55,10 +56,19 @@ if TYPE_CHECKING:
     from triggerflow.settings import Settings
 
 def run_bench(settings: Settings, scenarios: list[str], quick: bool, *,
-              zone_triggers: int | None = None, repeats: int | None = None) -> int:
+              zone_triggers: int | None = None, repeats: int | None = None,
+              seed: int | None = None, minutes: float = 5.0, mode: str = "native") -> int:
     """Run the named scenarios (default all), print tables, save results; exit code."""
     from rich.console import Console
 
+    if "chaos" in scenarios:  # a fault schedule and its checker, not a measurement: alone
+        if scenarios != ["chaos"]:
+            print("bench chaos runs alone: `triggerflow bench chaos --seed S --minutes M`",
+                  file=sys.stderr)
+            return 2
+        from bench.chaos import run_chaos
+
+        return run_chaos(settings, seed=seed, minutes=minutes, mode=mode)
     if scenarios == ["airflow"]:  # Airflow mode: a real Airflow stack, not the native harness
         from bench.airflow import run_airflow_bench
 

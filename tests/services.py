@@ -148,6 +148,13 @@ class PostgresCluster:
     def restart(self) -> None:
         self._ctl("restart", "-m", "fast")
 
+    def pause(self) -> None:
+        """Stop the server (fast shutdown) and keep its data: ``resume`` starts it again."""
+        self._ctl("stop", "-m", "fast")
+
+    def resume(self) -> None:
+        self._ctl("start")
+
     def stop(self) -> None:
         if (self.data / "postmaster.pid").exists():
             self._ctl("stop", "-m", "immediate", timeout=60)

@@ -321,3 +321,45 @@ async def test_sdk_survives_broker_and_database_restarts(
         datetime.now(UTC) + timedelta(hours=1)), queue=teams[0])
     await wait_until(lambda: db.fetchval(
         "SELECT count(*) = 2 FROM task_instance WHERE state = 'deferred'"), 15)
+
+
+async def test_a_short_postgres_outage_dead_letters_no_healthy_wakeup(
+    client: TriggerflowClient, db: Database, procs: Processes, teams: list[str],
+    services: SuiteServices, settings: Settings, topology: Topology,
+) -> None:
+    """Consumers whose leases ran out while PostgreSQL was down hold the wake-ups they are
+    given until the lease is back (one lease period at most) instead of handing them back at
+    once: each hand-back counts towards the queue's delivery limit (5), and handing them back
+    every 0.1 s dead-lettered healthy wake-ups within a second (found by ``triggerflow bench
+    chaos``). Here the wake-ups arrive while both leases are lost, as a re-send does."""
+    postgres = services.owned("pg").postgres
+    q = teams[0]
+    consumers = [procs.consume(q), procs.consume(q)]
+    for started in consumers:
+        await consumer_id(db, started)
+    await client.defer_many(timers(50, 120, q))
+    ids = await wait_until(lambda: db.fetch(
+        "SELECT id FROM trigger WHERE owner_id IS NOT NULL"), 15, message="all claimed")
+    assert len(ids) == 50
+    broker = RabbitTransport(settings.amqp_dsn(), topology, name="test-dead-letters")
+    await broker.connect()
+    try:
+        await asyncio.to_thread(postgres.pause)
+        try:
+            await wait_until(lambda: asyncio.sleep(0, all(
+                "lease lost" in procs.log(c) for c in consumers)), 20,
+                message="both consumers' leases lost")
+            await broker.publish_wakeups({q: [r["id"] for r in ids]})
+            await asyncio.sleep(FAST["lease_ttl"])  # handed around while the leases are lost
+        finally:
+            await asyncio.to_thread(postgres.resume)
+        await wait_until(lambda: db.fetchval(
+            "SELECT count(*) = 2 FROM consumer WHERE kind = 'consumer' AND expires_at > now()"),
+            30, interval=0.5, message="both consumers registered again")
+        await asyncio.sleep(2 * FAST["lease_ttl"])  # what they held is claimed, then acked
+        info = await broker.queue_info(q)
+        dead = await broker.queue_info(topology.dead_queue)
+    finally:
+        await broker.close()
+    assert info.ready == 0 and dead.ready == 0, (info, dead)
+

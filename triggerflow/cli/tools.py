@@ -61,13 +61,22 @@ def register(main: click.Group) -> None:
                   help="Runs of each size in `reference`, `burst`, `held` and `wide` (a burst "
                   "run right after a reference run); medians are printed (default 3; "
                   "--quick: 1).")
+    @click.option("--seed", type=int, default=None,
+                  help="`chaos`: the seed its schedule is drawn from (default: a random one, "
+                  "printed).")
+    @click.option("--minutes", type=click.FloatRange(min=0.1), default=5.0, show_default=True,
+                  help="`chaos`: minutes of faults before the drain.")
+    @click.option("--mode", type=click.Choice(["native", "airflow"]), default="native",
+                  show_default=True, help="`chaos`: which mode it runs (native only so far).")
     @settings_options(*connection)
     def bench(scenarios: tuple[str, ...], quick: bool, zone_triggers: int | None,
-              repeats: int | None, **values: Any) -> None:
+              repeats: int | None, seed: int | None, minutes: float, mode: str,
+              **values: Any) -> None:
         """Benchmark against the real broker and database; prints a table per scenario."""
         run_bench = from_checkout("bench").run_bench
         sys.exit(run_bench(build_settings(values, every_variable=True), list(scenarios), quick,
-                           zone_triggers=zone_triggers, repeats=repeats))
+                           zone_triggers=zone_triggers, repeats=repeats, seed=seed,
+                           minutes=minutes, mode=mode))
 
     @main.group()
     def docs() -> None:

@@ -236,25 +236,39 @@ class Consumer:
             except asyncio.CancelledError:
                 raise
             except Exception:
-                # Requeued at once: left unacked on an open channel they would wait for the
-                # broker's consumer timeout. The pause keeps a lost database from a hot loop.
+                # Requeued after a pause: left unacked on an open channel they would wait for
+                # the broker's consumer timeout; handed back at once, a lost database would
+                # spend their delivery limit in a hot loop.
                 # The claim may have committed all the same: ``doubts`` hands back what it
                 # made ours once the store answers, so the redelivered wake-ups find it free.
                 admission.unanswered(began)
                 log.exception("claim failed; requeueing %d deliveries", len(batch))
+                await asyncio.sleep(1)  # before the hand-back: each counts towards the limit
                 await requeue_all(batch)
-                await asyncio.sleep(1)
             finally:
                 admission.pending -= sum(len(ids) for ids, _ in batch)
             await asyncio.sleep(0)  # a 100k reclaim must not starve renewals
 
+    async def _lease_back(self) -> bool:
+        """Whether the lease is valid again within one lease period, the batch held unacked
+        meanwhile: each hand-back counts towards the queue's delivery limit, so handing
+        wake-ups back every moment of a short store outage would dead-letter healthy ones."""
+        loop = asyncio.get_running_loop()
+        until = loop.time() + self.lease.ttl
+        while not self.lease.valid():
+            if self.admission.stopping or loop.time() >= until:
+                return False
+            await asyncio.sleep(0.1)
+        return True
+
     async def _claim(self, batch: list[Wakeup]) -> None:
         """One claim for the batch, then the acks: the lease is in the store now."""
-        me = self.me
-        if not self.lease.valid():  # fenced, re-registering: a claim now would be stranded
+        if not self.lease.valid() and not await self._lease_back():
+            # Fenced, re-registering, or the store away: a claim now would be stranded.
             await requeue_all(batch)
             await asyncio.sleep(0.1)
             return
+        me = self.me
         ids, overflow = self.admission.fit(batch)
         found = await self.store.claim(me, ids, self.queues)
         if not self.admission.keeps(me):

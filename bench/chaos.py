@@ -1,0 +1,357 @@
+"""``triggerflow bench chaos --seed S --minutes M``: a randomized fault schedule over a
+randomized workload, then a checker of the whole history (``chaos_check.py``).
+
+Services of its own: a PostgreSQL cluster started for the run (``tests/services.py``; the
+nemesis restarts it) and a namespace of its own on the given broker. Two team queues with
+two ``consume`` each and two ``writer``s, with shipped defaults. For ``M`` minutes the
+workload (``chaos_plan.py``, from the seed) defers timers, coroutine triggers and task-end
+triggers at random instants, cancels some and defers some tasks again, while the nemesis
+(``chaos_faults.py``) kills, stops and terminates processes, restarts PostgreSQL, closes
+connections from the server and delivers events again. Every operation and fault is
+recorded; every change of a task row is recorded by a row trigger of the run's own
+(``chaos_audit``). Then the faults stop, every process runs again, and the run drains: until
+no task is deferred, no trigger row is left and the queues are empty (or the drain times out).
+The history is written to ``bench-results/chaos-<seed>-<time>.json`` and checked; the last
+line printed is the checker's summary, and the exit status is 1 when it found a task lost,
+ended twice or resumed by a stale event, or something left behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import random
+import shutil
+import sys
+import time
+import uuid
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from bench.chaos_check import BOUND, Report, check
+from bench.chaos_plan import TEAMS, Op, Plan, make_plan
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from bench.chaos_faults import EventTap, Fleet
+    from bench.harness import Bench
+    from tests.services import PostgresCluster
+    from triggerflow.settings import Settings
+
+DRAIN = 90.0  # seconds past the last due moment the drain may take at most
+TIMEOUT = 30.0  # an SDK call that takes longer is recorded as failed
+
+AUDIT = """
+CREATE TABLE chaos_audit (
+    seq bigserial PRIMARY KEY, at float8 NOT NULL, op text NOT NULL, task text, queue text,
+    old_state text, new_state text, old_d text, new_d text, old_trigger bigint,
+    new_trigger bigint, next_method text, event jsonb, result jsonb, error text,
+    applied float8, old_applied float8);
+CREATE FUNCTION chaos_audit_row() RETURNS trigger LANGUAGE plpgsql SECURITY DEFINER
+SET search_path = public AS $$
+BEGIN
+    INSERT INTO chaos_audit (at, op, task, queue, old_state, new_state, old_d, new_d,
+                             old_trigger, new_trigger, next_method, event, result, error,
+                             applied, old_applied)
+    VALUES (extract(epoch FROM clock_timestamp()), left(TG_OP, 1), NEW.task_id, NEW.queue,
+            CASE WHEN TG_OP = 'UPDATE' THEN OLD.state END, NEW.state,
+            CASE WHEN TG_OP = 'UPDATE' THEN OLD.next_kwargs->>'d' END, NEW.next_kwargs->>'d',
+            CASE WHEN TG_OP = 'UPDATE' THEN OLD.trigger_id END, NEW.trigger_id,
+            NEW.next_method, NEW.next_kwargs->'event', NEW.result, NEW.next_kwargs->>'error',
+            extract(epoch FROM NEW.event_applied_at),
+            CASE WHEN TG_OP = 'UPDATE' THEN extract(epoch FROM OLD.event_applied_at) END);
+    RETURN NULL;
+END $$;
+CREATE TRIGGER chaos_audit AFTER INSERT OR UPDATE ON task_instance
+    FOR EACH ROW EXECUTE FUNCTION chaos_audit_row();
+"""
+
+
+def run_chaos(settings: Settings, *, seed: int | None, minutes: float, mode: str) -> int:
+    from rich.console import Console
+
+    if mode != "native":
+        print("bench chaos: only --mode native is built so far (Airflow mode is not)",
+              file=sys.stderr)
+        return 2
+    seed = random.randrange(1, 10**6) if seed is None else seed
+    console = Console(log_path=False, width=None if sys.stdout.isatty() else 150)
+    plan = make_plan(seed, minutes * 60)
+    console.log(f"chaos seed={seed} minutes={minutes:g}: {len(plan.ops)} operations, "
+                f"{len(plan.faults)} faults planned (schedule {plan.digest()})")
+    report = asyncio.run(_run(settings, plan, console))
+    print("\n".join(report.lines()), flush=True)
+    return 0 if report.ok else 1
+
+
+async def _with_cluster(settings: Settings, plan: Plan, console: Console,
+                        out: Path) -> dict[str, Any]:
+    from pydantic import SecretStr
+
+    from bench.common import FULL
+    from bench.harness import Bench
+    from tests.services import BASE, FAST_PG, PostgresCluster
+
+    BASE.mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(PermissionError):
+        BASE.chmod(0o1777)
+    root = BASE / f"{os.getpid()}-chaos{uuid.uuid4().hex[:6]}"  # reaped if we die
+    root.mkdir(mode=0o755)
+    cluster = PostgresCluster(root / "postgres", settings=dict(FAST_PG))
+    try:
+        await asyncio.to_thread(cluster.start)
+        own = settings.model_copy(update={
+            "database_url": SecretStr(f"{cluster.url}/chaos"),
+            "namespace": f"{settings.namespace}-chaos{uuid.uuid4().hex[:4]}"})
+        b = Bench.create(own, FULL, console, out)
+        # Bench's two queues are the two teams' (both deleted at the end)
+        b.queue, b.idle_queue = f"{b.namespace}.team-a", f"{b.namespace}.team-b"
+        try:
+            await b.setup()
+            return await _scenario(b, cluster, plan)
+        finally:
+            await b.teardown()
+    finally:
+        await asyncio.to_thread(cluster.stop)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+async def _run(settings: Settings, plan: Plan, console: Console) -> Report:
+    import logging
+
+    for noisy in ("aiormq", "aio_pika", "asyncpg", "triggerflow"):  # restarts are the point
+        logging.getLogger(noisy).setLevel(logging.CRITICAL)
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    out = Path("bench-results") / f"logs-chaos-{stamp}"
+    out.mkdir(parents=True, exist_ok=True)
+    history = await _with_cluster(settings, plan, console, out)
+    path = Path("bench-results") / f"chaos-{plan.seed}-{stamp}.json"
+    path.write_text(json.dumps(history, indent=None, default=str))
+    report = check(history)
+    console.log(f"history: {path} (check it again: python -m bench.chaos_check {path}); "
+                f"process logs in {out}")
+    if plan.seconds >= 600:  # a long run is a result; a short one judges nothing
+        _record(plan, report)
+    return report
+
+
+async def _scenario(b: Bench, cluster: PostgresCluster, plan: Plan) -> dict[str, Any]:
+    from bench.chaos_faults import EventTap, Fleet, slot_pids
+
+    await b.db().execute(AUDIT)
+    assert b.broker is not None
+    queues = {TEAMS[0]: b.queue, TEAMS[1]: b.idle_queue}
+    fleet = Fleet(b, queues)
+    await fleet.start_all()
+    tap = EventTap(b.settings.amqp_dsn(), b.broker.topology.events)
+    await tap.start()
+    b.log(f"2 consumers on each of {', '.join(queues.values())}, 2 writers; chaos for "
+          f"{plan.seconds:.0f}s")
+    watcher = asyncio.get_running_loop().create_task(fleet.watch())
+    work = Workload(b, queues, plan.seed)
+    t0 = time.time()
+    try:
+        await asyncio.gather(work.run(plan.ops, t0),
+                             _nemesis(plan, fleet, tap, cluster, t0, work.faults))
+        b.log(f"chaos over: {len(work.deferrals)} deferrals, {len(work.cancels)} cancels, "
+              f"{sum(f['happened'] for f in work.faults)} faults, {len(fleet.exits)} "
+              "processes exited by themselves (restarted); draining")
+        await fleet.thaw_all()
+        drained = await _drain(b, queues, work)
+    finally:
+        watcher.cancel()
+        await tap.close()
+    history = {
+        "seed": plan.seed, "seconds": plan.seconds, "schedule": plan.digest(), "started": t0,
+        "deferrals": list(work.deferrals.values()), "cancels": work.cancels,
+        "faults": work.faults, "exits": fleet.exits, "pids": slot_pids(fleet),
+        "bounds": BOUND, "drained": drained,
+    }
+    rows = await _retry(b, lambda db: db.fetch("SELECT * FROM chaos_audit ORDER BY seq"))
+    history["audit"] = [{**r, "event": _json(r["event"]), "result": _json(r["result"])}
+                        for r in rows]
+    history["final"] = await _final(b, queues)
+    return history
+
+
+def _json(value: str | None) -> Any:
+    return None if value is None else json.loads(value)
+
+
+class Workload:
+    """Runs the plan's operations through the SDK at their moments, each as its own task
+    (a call slowed by a fault delays no other), and records each with its outcome."""
+
+    def __init__(self, b: Bench, queues: dict[str, str], seed: int) -> None:
+        self.b = b
+        self.queues = queues
+        self.run_id = f"s{seed}"
+        self.deferrals: dict[str, dict[str, Any]] = {}
+        self.cancels: list[dict[str, Any]] = []
+        self.faults: list[dict[str, Any]] = []
+        self.attempts: dict[str, int] = {}  # deferrals of each task so far
+
+    async def run(self, ops: tuple[Op, ...], t0: float) -> None:
+        calls = []
+        for op in ops:
+            await asyncio.sleep(max(0.0, t0 + op.at - time.time()))
+            calls.append(asyncio.ensure_future(
+                self.defer(op) if op.op == "defer" else self.cancel(op)))
+        await asyncio.gather(*calls)
+
+    async def defer(self, op: Op) -> None:
+        from bench.chaos_trigger import ChaosWait
+        from triggerflow.model import TaskKey
+        from triggerflow.sdk import Deferral
+        from triggerflow.triggers import DateTimeTrigger
+
+        assert self.b.client is not None
+        at = time.time()
+        due = at + op.lead
+        trigger = (DateTimeTrigger(datetime.fromtimestamp(due, UTC)) if op.kind == "timer"
+                   else ChaosWait(due, op.d, end=op.kind == "end"))
+        attempt = self.attempts[op.task] = self.attempts.get(op.task, 0) + 1
+        rec: dict[str, Any] = {"d": op.d, "task": op.task, "queue": self.queues[op.team],
+                               "kind": op.kind, "due": due, "at": at, "again": op.again,
+                               "attempt": attempt, "ok": False, "trigger_id": None,
+                               "error": None}
+        self.deferrals[op.d] = rec
+        try:
+            ids = await asyncio.wait_for(self.b.client.defer_many([Deferral(
+                TaskKey("chaos", op.task, self.run_id), trigger, rec["queue"],
+                kwargs={"d": op.d})]), TIMEOUT)
+            rec.update(ok=True, trigger_id=ids[0])
+        except Exception as exc:  # a store restart outlasting the SDK's retries
+            rec["error"] = repr(exc)[:300]
+        rec["done"] = time.time()
+
+    async def cancel(self, op: Op) -> None:
+        target = self.deferrals.get(op.d)
+        rec: dict[str, Any] = {"d": op.d, "at": time.time(), "ok": False, "moved": None,
+                               "error": None}
+        self.cancels.append(rec)
+        if target is None or target["trigger_id"] is None:
+            rec["error"] = "skipped: its deferral did not return a trigger id"
+            return
+        assert self.b.client is not None
+        try:
+            rec["moved"] = await asyncio.wait_for(
+                self.b.client.cancel([target["trigger_id"]]), TIMEOUT)
+            rec["ok"] = True
+        except Exception as exc:
+            rec["error"] = repr(exc)[:300]
+
+
+async def _nemesis(plan: Plan, fleet: Fleet, tap: EventTap, cluster: PostgresCluster,
+                   t0: float, record: list[dict[str, Any]]) -> None:
+    """Each fault at its moment, as its own task: faults overlap (a stopped writer while a
+    consumer is killed and PostgreSQL restarts)."""
+    from bench.chaos_faults import cause
+
+    rng = random.Random(f"{plan.seed}/replay")
+    running = []
+
+    async def one(fault: Any) -> None:
+        result = await cause(fault, fleet, tap, cluster, rng, t0)
+        record.append(result)
+        fleet.b.log(f"fault {fault.kind} {fault.slot} at +{result['offset']:.1f}s: "
+                    f"{result['witness']}")
+
+    for fault in plan.faults:
+        await asyncio.sleep(max(0.0, t0 + fault.at - time.time()))
+        running.append(asyncio.ensure_future(one(fault)))
+    await asyncio.gather(*running)
+
+
+async def _retry(b: Bench, query: Any, within: float = 60.0) -> Any:
+    """A read of the bench's own that rides out a PostgreSQL restart."""
+    deadline = time.monotonic() + within
+    while True:
+        try:
+            return await query(b.db())
+        except Exception:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.5)
+
+
+async def _drain(b: Bench, queues: dict[str, str], work: Workload) -> bool:
+    """Until nothing is deferred, no trigger row is left and the queues are empty."""
+    last_due = max((d["due"] for d in work.deferrals.values()), default=time.time())
+    deadline = max(time.time(), last_due) + DRAIN
+    while time.time() < deadline:
+        busy = await _retry(b, lambda db: db.fetchval(
+            "SELECT (SELECT count(*) FROM task_instance WHERE state = 'deferred') "
+            "+ (SELECT count(*) FROM trigger)"))
+        if busy == 0 and sum((await _messages(b, queues)).values()) == 0:
+            return True
+        await asyncio.sleep(1.0)
+    return False
+
+
+async def _messages(b: Bench, queues: dict[str, str]) -> dict[str, int]:
+    assert b.broker is not None
+    t = b.broker.topology
+    out = {}
+    for name in (*queues.values(), t.events_queue, t.dead_queue):
+        info = await b.broker.queue_info(name)
+        out[name] = info.ready if info else 0
+    return out
+
+
+async def _final(b: Bench, queues: dict[str, str]) -> dict[str, Any]:
+    triggers = await _retry(b, lambda db: db.fetch(
+        "SELECT id, queue, owner_id, attempt, classpath FROM trigger ORDER BY id"))
+    deferred = await _retry(b, lambda db: db.fetch(
+        "SELECT task_id, queue, next_kwargs->>'d' AS d, trigger_id FROM task_instance "
+        "WHERE state = 'deferred'"))
+    return {"triggers": [dict(r) for r in triggers], "deferred": [dict(r) for r in deferred],
+            "messages": await _messages(b, queues), "dead_letters": await _dead_letters(b)}
+
+
+async def _dead_letters(b: Bench, most: int = 50) -> list[dict[str, Any]]:
+    """What the dead-letter queue holds: who put each there and why (the broker's
+    ``x-death`` for a delivery limit, triggerflow's reason header for a refusal)."""
+    from triggerflow.wire import HEADER_REASON
+
+    assert b.broker is not None and b.broker.connection is not None
+    ch = await b.broker.connection.channel()
+    out: list[dict[str, Any]] = []
+    try:
+        queue = await ch.declare_queue(b.broker.topology.dead_queue, passive=True)
+        while len(out) < most:
+            message = await queue.get(no_ack=False, fail=False)
+            if message is None:
+                break
+            deaths: Any = message.headers.get("x-death") or []
+            out.append({"reason": str(message.headers.get(HEADER_REASON, "")),
+                        "x-death": [{k: str(d.get(k)) for k in ("reason", "queue", "count")}
+                                    for d in deaths],
+                        "routing_key": message.routing_key, "body": message.body[:300].decode(
+                            errors="replace")})
+    finally:
+        await ch.close()  # unacked: they stay for the count, deleted with the queue
+    return out
+
+
+def _record(plan: Plan, report: Report) -> None:
+    from rich.table import Table
+
+    from bench.results import record
+
+    t = Table(title=f"Chaos: seed {plan.seed}, {plan.seconds / 60:g} minutes of faults "
+              "over 2 team queues (2 consumers each) and 2 writers")
+    for col in ("fault kind", "caused", "bound after it ended"):
+        t.add_column(col, justify="right")
+    for kind, n in sorted(report.faults_by_kind.items()):
+        t.add_row(kind, str(n), f"{BOUND.get(kind, 0):g} s")
+    t.caption = (f"{report.deferred} deferrals: {report.applied} applied, {report.cancelled} "
+                 f"cancelled, {report.superseded} superseded, {report.failed} failed "
+                 f"(documented); {report.late_over} past their bound. Left after the drain: "
+                 f"{report.left_triggers} trigger rows, {report.left_messages} messages (exit "
+                 f"{0 if report.ok else 1}). " + report.lines()[-1])
+    record("chaos", [t])

@@ -1,0 +1,106 @@
+"""The schedule of ``triggerflow bench chaos``, drawn from the seed alone: the workload's
+operations and the nemesis's faults, each at an offset from the start. The same seed and
+minutes give the same schedule, so a failing seed is run again as it was."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from dataclasses import asdict, dataclass
+
+OPS_PER_S = 6.0  # workload operations per second
+FAULT_GAP = 5.0  # mean seconds between two faults
+LEAD = (1.0, 15.0)  # a deferral is due this many seconds after it is made
+RECENT = 40  # cancels and re-deferrals pick among the latest deferrals (most still waiting)
+TEAMS = ("a", "b")  # team queues, two consumers each
+SLOTS = ("a1", "a2", "b1", "b2", "w1", "w2")  # the processes: consumers of a and b, writers
+# Fault kinds and how often each is drawn.
+KINDS = {"consumer_kill": 3, "consumer_term": 2, "consumer_stop": 2, "writer_kill": 2,
+         "writer_term": 1, "writer_stop": 1, "pg_restart": 1, "pg_terminate": 2, "replay": 2}
+
+
+@dataclass(frozen=True)
+class Op:
+    at: float  # seconds from the start
+    op: str  # "defer" (a new task or, with ``again``, a re-deferral) or "cancel"
+    d: str = ""  # the deferral's token (defer), or the one to cancel (cancel)
+    task: str = ""
+    team: str = ""
+    kind: str = ""  # "timer", "coroutine" (a resume) or "end" (a task-end event)
+    lead: float = 0.0
+    again: bool = False
+
+
+@dataclass(frozen=True)
+class Fault:
+    at: float
+    kind: str
+    slot: str = ""  # the process it hits (kill, term, stop)
+    seconds: float = 0.0  # how long a process stays stopped, or down before its restart
+    share: float = 0.0  # pg_terminate: the share of connections; replay: of captured events
+    roles: tuple[str, ...] = ()  # pg_terminate: whose connections
+
+
+@dataclass(frozen=True)
+class Plan:
+    seed: int
+    seconds: float
+    ops: tuple[Op, ...]
+    faults: tuple[Fault, ...]
+
+    def digest(self) -> str:
+        """A short fingerprint of the schedule: two runs of a seed print the same."""
+        text = json.dumps([[asdict(o) for o in self.ops], [asdict(f) for f in self.faults]])
+        return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def make_plan(seed: int, seconds: float) -> Plan:
+    return Plan(seed, seconds, _ops(random.Random(f"{seed}/workload"), seconds),
+                _faults(random.Random(f"{seed}/nemesis"), seconds))
+
+
+def _ops(rng: random.Random, seconds: float) -> tuple[Op, ...]:
+    ops: list[Op] = []
+    made: list[Op] = []  # deferrals so far
+    t = 0.5
+    while True:
+        t += rng.expovariate(OPS_PER_S)
+        if t >= seconds:
+            return tuple(ops)
+        r = rng.random()
+        if made and r < 0.12:
+            ops.append(Op(t, "cancel", d=rng.choice(made[-RECENT:]).d))
+            continue
+        kind = rng.choices(("timer", "coroutine", "end"), (6, 3, 1))[0]
+        lead = round(rng.uniform(*LEAD), 3)
+        if made and r < 0.27:  # the same task deferred again: a new attempt
+            prev = rng.choice(made[-RECENT:])
+            op = Op(t, "defer", f"d{len(made)}", prev.task, prev.team, kind, lead, again=True)
+        else:
+            op = Op(t, "defer", f"d{len(made)}", f"t{len(made)}", rng.choice(TEAMS), kind,
+                    lead)
+        made.append(op)
+        ops.append(op)
+
+
+def _faults(rng: random.Random, seconds: float) -> tuple[Fault, ...]:
+    faults: list[Fault] = []
+    t = 2.0
+    names, weights = list(KINDS), list(KINDS.values())
+    while True:
+        t += rng.expovariate(1 / FAULT_GAP)
+        if t >= seconds:
+            return tuple(faults)
+        kind = rng.choices(names, weights)[0]
+        if kind.startswith("consumer_"):
+            slot = rng.choice(SLOTS[:4])
+        elif kind.startswith("writer_"):
+            slot = rng.choice(SLOTS[4:])
+        else:
+            slot = ""
+        pause = round(rng.uniform(1.0, 8.0) if kind.endswith("_stop")
+                      else rng.uniform(0.2, 3.0), 2)  # stopped for, or down before restart
+        roles = rng.choice((("consumer",), ("writer",), ("consumer", "writer")))
+        faults.append(Fault(round(t, 3), kind, slot, pause, round(rng.uniform(0.3, 1.0), 2),
+                            roles if kind == "pg_terminate" else ()))

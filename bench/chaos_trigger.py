@@ -1,0 +1,33 @@
+"""The coroutine trigger of ``triggerflow bench chaos``: waits until a moment and names its
+deferral in its event, so the checker can tell whose event was applied to a task."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from triggerflow.triggers.base import BaseTrigger, TaskSuccessEvent, TriggerEvent
+
+
+class ChaosWait(BaseTrigger):
+    """Fires at ``until`` (POSIX time; a run taken over waits for the same moment) with
+    ``{"d": token}``: a resume, or with ``end`` a task-end ``success`` carrying it as XComs."""
+
+    def __init__(self, until: float, token: str, end: bool = False, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.until = until
+        self.token = token
+        self.end = end
+
+    def serialize(self) -> tuple[str, dict[str, Any]]:
+        return ("bench.chaos_trigger.ChaosWait",
+                {"until": self.until, "token": self.token, "end": self.end})
+
+    async def run(self) -> AsyncIterator[TriggerEvent]:
+        await asyncio.sleep(max(0.0, self.until - time.time()))
+        if self.end:
+            yield TaskSuccessEvent(xcoms={"d": self.token})
+        else:
+            yield TriggerEvent({"d": self.token})
