@@ -195,7 +195,7 @@ async def test_every_dashboard_and_alert_series_is_exported(
 
     exported = await wait_until(all_series, 10, interval=0.5, message="quarantine counted")
     # Airflow mode's writers alone export it (tests/test_airflow_unserved.py reads its labels).
-    exported = merged(exported, {"triggerflow_unserved_triggers": {"queue", "reason"}})
+    exported = merged(exported, {"triggerflow_unserved_triggers": {"queue", "reason", "team"}})
     await quarantined_panel_shows(survivors[0], orphaned, tmp_path)
     problems = {where: p for where, expr in {**dashboard_expressions(),
                                              **alert_expressions()}.items()

@@ -264,6 +264,24 @@ def test_the_chart_refuses_values_that_break_isolation_or_scaling(change: Any, r
         helm_chart.render(values)
 
 
+def test_a_team_entry_serves_an_airflow_team_with_consume_team() -> None:
+    """``airflowTeam`` renders ``consume --team`` (docs/airflow-migrate.md); Airflow mode only."""
+    values = helm_chart.merged(helm_chart.example("airflow"))
+    values["teams"][0]["airflowTeam"] = "ml_team"
+    objects = helm_chart.render(values)
+    first, second = values["teams"][0]["name"], values["teams"][1]["name"]
+    assert process(consumer(objects, first))["args"] == [
+        "consume", "--queue", first, "--airflow", "--team", "ml_team"]
+    assert process(consumer(objects, second))["args"] == ["consume", "--queue", second, "--airflow"]
+    native = helm_chart.merged(helm_chart.example("native"))
+    native["teams"][0]["airflowTeam"] = "ml_team"
+    with pytest.raises(helm_python.HelmRenderError, match="airflowTeam names an Airflow team"):
+        helm_chart.render(native)
+    values["teams"][0]["airflowTeam"] = "no"  # Airflow's team names: [a-zA-Z0-9_-]{3,50}
+    with pytest.raises((helm_python.HelmRenderError, helm_python.HelmValuesError)):
+        helm_chart.render(values)
+
+
 def test_setup_runs_as_a_hook_before_install_and_upgrade(values: dict[str, Any],
                                                          objects: list[dict[str, Any]],
                                                          mode: str) -> None:

@@ -16,3 +16,8 @@ class TriggerflowError(Exception):
 
 class ConfigurationError(TriggerflowError):
     """A setting, flag or deployment fact that cannot work as given: fix it, do not retry."""
+
+
+class SettingRefused(ConfigurationError, ValueError):
+    """A setting the deployment refuses as given, found once a process reached it (an Airflow
+    team Airflow does not have): the command ends as for a bad flag, one line and exit 2."""

@@ -43,8 +43,9 @@ class Mode(Protocol[StoreT]):
     writer_queues: list[str]
 
     async def connect_store(self, *, max_size: int | None = None,
-                            lock_timeout: float | None = None) -> StoreT:
-        """The store, connected; ``lock_timeout``: the writer's bound on row-lock waits."""
+                            lock_timeout: float | None = None, consumer: bool = False) -> StoreT:
+        """The store, connected; ``lock_timeout``: the writer's bound on row-lock waits;
+        ``consumer``: for a consumer (scoped as the mode scopes consumers)."""
         ...
 
     async def connect_deferrals(self, *, max_size: int | None = None) -> SdkStore:
@@ -99,7 +100,8 @@ class NativeMode:
         self.writer_queues: list[str] = []
 
     async def connect_store(self, *, max_size: int | None = None,
-                            lock_timeout: float | None = None) -> PostgresStore:
+                            lock_timeout: float | None = None,
+                            consumer: bool = False) -> PostgresStore:
         from triggerflow.store.postgres import PostgresStore
 
         settings = self.settings

@@ -49,9 +49,11 @@ def seconds(n: float) -> timedelta:
     return timedelta(seconds=n)
 
 
-# Airflow mode's hold after a deferral: the smallest delay measured safe on the real stack
-# (docs/airflow-race.md).
+# Airflow mode's hold after a deferral (docs/airflow-race.md): its ceiling, the smallest
+# delay measured safe on the real stack; and the time a deferring worker may take to exit,
+# from which the scheduler's own writes are read as the witness that releases it sooner.
 AIRFLOW_RESUME_DELAY = 20.0
+AIRFLOW_EXIT_GRACE = 10.0
 
 
 def _lower(value: object) -> object:
@@ -89,6 +91,10 @@ def _amqp_url(value: object) -> object:
 
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
 LogFormat = Literal["text", "json"]
+
+
+# Flags not spelled from their field's name.
+_FLAGS = {"queues": "--queue", "airflow_team": "--team"}
 
 
 class Settings(BaseModel):
@@ -179,13 +185,32 @@ class Settings(BaseModel):
             "left to Airflow's own triggerer."
         ),
     )
+    airflow_team: str | None = Field(
+        None,
+        min_length=1,
+        description=(
+            "Airflow mode, with Airflow's [core] multi_team on: the Airflow team whose trigger "
+            "rows this consumer serves (as `airflow triggerer --team-name`). Unset: rows of no "
+            "team (every row while multi_team is off)."
+        ),
+    )
     airflow_resume_delay: Duration = Field(
         seconds(AIRFLOW_RESUME_DELAY),
         ge=ZERO,
         description=(
             "Airflow mode: a consumer sends no event that puts a task back to 'scheduled' "
             "sooner than this after the task deferred, so Airflow's scheduler has seen the "
-            "deferring worker exit first (docs/airflow-race.md). 0: off."
+            "deferring worker exit first (docs/airflow-race.md). The ceiling: such an event "
+            "goes sooner once the scheduler's own writes show it has handled that exit. 0: off."
+        ),
+    )
+    airflow_exit_grace: Duration = Field(
+        seconds(AIRFLOW_EXIT_GRACE),
+        ge=ZERO,
+        description=(
+            "Airflow mode: how long a worker may take to exit after its task deferred (more "
+            "than Airflow's [workers] min_heartbeat_interval); the scheduler loops that prove "
+            "the exit handled are counted from then (docs/airflow-race.md)."
         ),
     )
 
@@ -350,8 +375,9 @@ class Settings(BaseModel):
 
     @staticmethod
     def flag_name(field: str) -> str:
-        """The CLI flag of a field: ``--field-name`` (``--queue``, repeatable, for queues)."""
-        return "--queue" if field == "queues" else "--" + field.replace("_", "-")
+        """The CLI flag of a field: ``--field-name`` (``--queue``, repeatable, for queues;
+        ``--team`` for airflow_team)."""
+        return _FLAGS.get(field) or "--" + field.replace("_", "-")
 
     def amqp_dsn(self) -> str:
         """The AMQP URL with ``heartbeat`` added as a query parameter unless it has one."""

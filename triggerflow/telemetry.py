@@ -148,6 +148,12 @@ class Metrics:
             "triggerflow.airflow.watcher_restarts",
             description="Airflow asset-watcher triggers started again, by reason",
         )
+        self.resume_hold = m.create_histogram(
+            "triggerflow.airflow.resume_hold", unit="s",
+            description="How long an Airflow event that requeues its task was held for the "
+                        "scheduler race, by what released it",
+            explicit_bucket_boundaries_advisory=(0.1, 0.5, 1, 2, 3, 5, 7.5, 10, 15, 20, 30),
+        )
         self.unconsumed = m.create_counter(
             "triggerflow.queues.unconsumed",
             description="Reaper sweeps that found a queue with no live consumer",

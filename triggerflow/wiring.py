@@ -96,10 +96,12 @@ async def _at_start(service: str, refused: type[Exception],
 
 
 async def _connect_store_retrying(mode: Mode[StoreT], stop: asyncio.Event,
-                                  lock_timeout: float | None = None) -> StoreT | None:
+                                  lock_timeout: float | None = None,
+                                  consumer: bool = False) -> StoreT | None:
     """The store once it answers (None: stopped first), or its last error (``_at_start``)."""
     return await _at_start("the database", StoreAccessRefused, (StoreError,),
-                           lambda: mode.connect_store(lock_timeout=lock_timeout), stop)
+                           lambda: mode.connect_store(lock_timeout=lock_timeout,
+                                                      consumer=consumer), stop)
 
 
 async def _reach_broker(settings: Settings, name: str, stop: asyncio.Event) -> bool:
@@ -127,11 +129,11 @@ async def _reach_broker(settings: Settings, name: str, stop: asyncio.Event) -> b
 async def _serve(mode: Mode[StoreT], stop: asyncio.Event,
                  serve: Callable[[StoreT], Awaitable[int]], *,
                  reach_broker: Callable[[], Awaitable[bool]],
-                 lock_timeout: float | None = None) -> int:
+                 lock_timeout: float | None = None, consumer: bool = False) -> int:
     """``serve`` on the store once it and then the broker answer; 1 with one line when the
     store refused our credentials."""
     try:
-        store = await _connect_store_retrying(mode, stop, lock_timeout)
+        store = await _connect_store_retrying(mode, stop, lock_timeout, consumer)
     except StoreAccessRefused as exc:
         report_refused(exc)
         return 1
@@ -150,7 +152,7 @@ async def serve_consumer(settings: Settings, stop: asyncio.Event) -> int:
     mode = mode_for(settings)
     name = consumer_connection_name(settings.queues)
     return await _serve(mode, stop, lambda store: _consume(settings, mode, store, stop),
-                        reach_broker=lambda: _reach_broker(settings, name, stop))
+                        reach_broker=lambda: _reach_broker(settings, name, stop), consumer=True)
 
 
 async def _consume(settings: Settings, mode: Mode[StoreT], store: StoreT,

@@ -16,6 +16,9 @@ from airflow.sdk import DAG
 
 RACERS = int(os.environ.get("TF_RACE_TASKS", "100"))
 PAST = "2000-01-01T00:00:00+00:00"
+# TF_RACE_WAIT=S: each trigger fires S seconds after its task started (a short wait), not at once.
+WAIT = int(os.environ.get("TF_RACE_WAIT", "0"))
+MOMENT = f"{{{{ macros.datetime.utcnow() + macros.timedelta(seconds={WAIT}) }}}}" if WAIT else PAST
 
 with DAG("tf_race_fires_at_once", schedule=None, start_date=datetime(2026, 1, 1),
          catchup=False, max_active_tasks=RACERS,
@@ -23,5 +26,5 @@ with DAG("tf_race_fires_at_once", schedule=None, start_date=datetime(2026, 1, 1)
          # timing out under load); the test counts the race's failures in the log table.
          default_args={"retries": 1, "retry_delay": timedelta(seconds=1)}):
     # Mapped over a harmless argument, as the e2e DAG's team sensors.
-    DateTimeSensorAsync.partial(task_id="fires_at_once", target_time=PAST).expand(
+    DateTimeSensorAsync.partial(task_id="fires_at_once", target_time=MOMENT).expand(
         poke_interval=[60.0] * RACERS)

@@ -30,7 +30,7 @@ from typing import Any
 
 import asyncpg
 
-from triggerflow.airflow.statements.unserved import UNSERVED_ROWS
+from triggerflow.airflow.statements.unserved import UNSERVED_ROWS, rendered
 from triggerflow.telemetry import UNSERVED_TRIGGERS, get_metrics
 
 log = logging.getLogger(__name__)
@@ -38,38 +38,40 @@ log = logging.getLogger(__name__)
 # One statement counts the unserved rows by queue and reason and stamps the heartbeat only
 # when none is in the writer's scope. $1 the default queue (rows without one), $2 the
 # writer's queues (empty: every queue, and rows with no queue), $3 the job row (NULL: read
-# only). One row per (queue, reason), or one with a NULL queue. No array in the result:
+# only). One row per (queue, team, reason), or one with a NULL queue. No array in the result:
 # asyncpg would look its type up once on every pooled connection (two more statements each
 # time).
 BEAT_IF_SERVED = f"""
 WITH unserved AS ({UNSERVED_ROWS}
 ), counted AS (
-    SELECT queue, reason, count(*) AS triggers,
+    SELECT queue, team, reason, count(*) AS triggers,
            cardinality($2::text[]) = 0 OR queue = ANY($2::text[]) AS vouched
-    FROM unserved GROUP BY queue, reason
+    FROM unserved GROUP BY queue, team, reason
 ), beat AS (
     UPDATE job SET latest_heartbeat = now()
     WHERE id = $3 AND state = 'running' AND NOT EXISTS (SELECT 1 FROM counted WHERE vouched)
     RETURNING id
 )
-SELECT c.queue, c.reason, c.triggers, c.vouched, EXISTS (SELECT 1 FROM beat) AS beaten
+SELECT c.queue, c.team, c.reason, c.triggers, c.vouched, EXISTS (SELECT 1 FROM beat) AS beaten
 FROM (VALUES (1)) AS one (x) LEFT JOIN counted c ON true
-ORDER BY c.queue, c.reason
+ORDER BY c.queue, c.team NULLS FIRST, c.reason
 """
 
 
 @dataclass(frozen=True)
 class Unserved:
-    """Rows of one queue (``NO_QUEUE`` for none) unserved for one reason
-    (``statements.unserved.REASONS``); ``vouched``: in the writer's scope."""
+    """Rows of one queue (``NO_QUEUE`` for none) and Airflow team (None: none) unserved for
+    one reason (``statements.unserved.REASONS``); ``vouched``: in the writer's scope."""
 
     queue: str
     reason: str
     triggers: int
     vouched: bool
+    team: str | None = None
 
     def label(self) -> str:
-        return self.queue if self.reason == "no-consumer" else f"{self.queue} ({self.reason})"
+        where = self.queue if self.team is None else f"{self.queue} (Airflow team {self.team})"
+        return where if self.reason == "no-consumer" else f"{where} ({self.reason})"
 
 
 async def beat_if_served(conn: asyncpg.Connection, default_queue: str | None,
@@ -77,8 +79,8 @@ async def beat_if_served(conn: asyncpg.Connection, default_queue: str | None,
                          ) -> tuple[list[Unserved], bool]:
     """The unserved rows by queue and reason, and whether job ``job_id``'s heartbeat was
     stamped (only when none is in scope; never for None)."""
-    rows = await conn.fetch(BEAT_IF_SERVED, default_queue, list(queues), job_id)
-    found = [Unserved(r["queue"], r["reason"], int(r["triggers"]), bool(r["vouched"]))
+    rows = await conn.fetch(rendered(BEAT_IF_SERVED), default_queue, list(queues), job_id)
+    found = [Unserved(r["queue"], r["reason"], int(r["triggers"]), bool(r["vouched"]), r["team"])
              for r in rows if r["queue"] is not None]
     return found, bool(rows[0]["beaten"])
 
@@ -97,17 +99,19 @@ def served_beat(
     """The heartbeat (``heartbeat.triggerer_job``'s ``beat``): stamps the job row only when
     no row in scope is unserved, in one statement; logs the unserved queues when that changes
     (not every interval) and exports every unserved row's count as the
-    ``triggerflow_unserved_triggers`` gauge (by queue and reason; a pair seen once stays, at
-    0, so the series ends low rather than vanishing; nothing once no beat has read them for
-    ``stale_after`` seconds). Returns whether the row was stamped."""
+    ``triggerflow_unserved_triggers`` gauge (by queue, reason and, for rows of an Airflow
+    team, ``team``: as bounded as Airflow's team table; a series seen once stays, at 0, so it
+    ends low rather than vanishing; nothing once no beat has read them for ``stale_after``
+    seconds). Returns whether the row was stamped."""
     last: list[str] = []
-    counts: dict[tuple[str, str], int] = {}
+    counts: dict[tuple[str, str, str | None], int] = {}
     read_at = [float("-inf")]
 
     def observe() -> list[tuple[float, dict[str, Any]]]:
         if time.monotonic() - read_at[0] > stale_after:
             return []
-        return [(float(n), {"queue": q, "reason": r}) for (q, r), n in sorted(counts.items())]
+        return [(float(n), {"queue": q, "reason": r, **({"team": t} if t else {})})
+                for (q, r, t), n in sorted(counts.items(), key=lambda kv: str(kv[0]))]
 
     get_metrics().gauge(UNSERVED_TRIGGERS, "Trigger rows with work that no live consumer and "
                         "no live Airflow triggerer serves (Airflow mode's writer)", observe)
@@ -116,7 +120,7 @@ def served_beat(
         nonlocal last
         unserved, beaten = await beat_if_served(conn, default_queue, queues, job_id)
         counts.update(dict.fromkeys(counts, 0))
-        counts.update({(u.queue, u.reason): u.triggers for u in unserved})
+        counts.update({(u.queue, u.reason, u.team): u.triggers for u in unserved})
         read_at[0] = time.monotonic()
         withheld = [u.label() for u in unserved if u.vouched]
         if withheld != last:

@@ -15,7 +15,6 @@ import asyncio
 import functools
 import logging
 import os
-import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -29,6 +28,7 @@ from triggerflow.airflow.runtime import CURRENT_TRIGGER
 from triggerflow.airflow.schema import installed_release
 from triggerflow.airflow.timers import as_timer
 from triggerflow.airflow.watchers import watcher
+from triggerflow.airflow.witness import WITNESS
 from triggerflow.loader import AllowedClasses, Disallowed, Unloadable
 from triggerflow.model import EventKind
 from triggerflow.store.interface import TriggerSpec
@@ -56,9 +56,10 @@ class AirflowCoroutine(BaseTrigger):
     triggerer runs it (``run()`` then ``cleanup()``).
 
     ``not_before`` (epoch seconds) holds an event that puts the task back to ``scheduled``
-    (resume, ``__fail__``) until then: Airflow 3.3.2's scheduler fails a task that it queues
-    again before it has seen the worker that deferred it exit (docs/airflow-race.md).
-    Task-end events never requeue the task and are not held.
+    (resume, ``__fail__``) until the scheduler's own writes show it has handled the exit of
+    the worker that deferred it (``witness``), or until then at the latest: Airflow 3.3.2's
+    scheduler fails a task that it queues again before it has seen that worker exit
+    (docs/airflow-race.md). Task-end events never requeue the task and are not held.
     """
 
     def __init__(self, trigger: Any, not_before: float | None = None, *,
@@ -100,7 +101,7 @@ class AirflowCoroutine(BaseTrigger):
                 kind, body = encode_event(event)
                 encoded = EncodedEvent(EventKind(kind), body)
             if self.not_before is not None and encoded.kind in _REQUEUES:
-                await asyncio.sleep(self.not_before - time.time())  # negative: no wait
+                await WITNESS.hold(self.trigger_id, self.not_before)
             yield encoded
         finally:
             if agen is not None:

@@ -119,13 +119,17 @@ class AirflowMode:
         self.writer_queues = list(settings.queues)
 
     async def connect_store(self, *, max_size: int | None = None,
-                            lock_timeout: float | None = None) -> AirflowStore:
+                            lock_timeout: float | None = None,
+                            consumer: bool = False) -> AirflowStore:
         settings = self.settings
+        # A consumer takes only its Airflow team's rows, as `airflow triggerer [--team-name]`
+        # does under [core] multi_team; the writer routes and re-sends every team's.
         return await AirflowStore.connect(settings.database_dsn(),
                                           default_queue=settings.default_queue,
                                           max_size=max_size or settings.db_pool_size,
                                           lock_timeout=lock_timeout,
-                                          resume_delay=settings.airflow_resume_delay.total_seconds())
+                                          resume_delay=settings.airflow_resume_delay.total_seconds(),
+                                          consumer=consumer, team=settings.airflow_team)
 
     async def connect_deferrals(self, *, max_size: int | None = None) -> SdkStore:
         # AirflowStore has no DeferralStore role: Airflow's API server defers and cancels.
@@ -147,11 +151,14 @@ class AirflowMode:
         from triggerflow.airflow import runtime, task_context, trigger_logs
         from triggerflow.airflow.persisted import PENDING
         from triggerflow.airflow.watchers import shared_streams
+        from triggerflow.airflow.witness import WITNESS
 
         dsn = self.settings.database_dsn()
+        grace = self.settings.airflow_exit_grace.total_seconds()
         await asyncio.to_thread(task_context.prepare_orm)  # before any trigger's thread
         async with runtime.serving() as served, \
-                PENDING.serving(dsn, lambda seqs: shared_streams().confirm_persisted(seqs)):
+                PENDING.serving(dsn, lambda seqs: shared_streams().confirm_persisted(seqs)), \
+                WITNESS.serving(dsn, grace):  # the scheduler race's (loader.AirflowCoroutine)
             # After the runtime: its secrets masker is on before any line is captured.
             with trigger_logs.writing(dsn):
                 yield served.ready
@@ -173,15 +180,15 @@ class AirflowMode:
 
     def status_statements(self) -> StatusStatements:
         from triggerflow.airflow.statements import status as sql
-        from triggerflow.airflow.statements.unserved import STATUS_UNSERVED
+        from triggerflow.airflow.statements.unserved import STATUS_UNSERVED, rendered
         from triggerflow.store.postgres.admin import StatusStatements as Statements
 
         default = self.settings.default_queue
         # A row may wait one lease period unserved: a starting consumer, or Airflow's own
         # triggerer during a migration, takes it within that.
         return Statements(sql.CONSUMERS, sql.WRITERS, sql.QUEUES, sql.OVERDUE,
-                                sql.QUARANTINED, queue_args=(default, list(self.settings.queues)),
-                                quarantined_args=(default,), unserved=STATUS_UNSERVED,
+                                sql.QUARANTINED, sql.HEALTH, queue_args=(default, list(self.settings.queues)),
+                                quarantined_args=(default,), unserved=rendered(STATUS_UNSERVED),
                                 unserved_args=(default, self.settings.lease_ttl.total_seconds()))
 
     async def connect_gauges(self) -> GaugeSource:

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 SCHEMA = "triggerflow"
 NOTIFY_CHANNEL = "triggerflow_airflow_trigger"
-SCHEMA_VERSION = 7  # 5: the cancel log (cancels.py); 6: consumer.warming;
-# 7: trigger_state.blocked_attempts
+SCHEMA_VERSION = 8  # 5: the cancel log (cancels.py); 6: consumer.warming;
+# 7: trigger_state.blocked_attempts; 8: consumer.team, consumer.team_scoped (teams.py)
 
 # Airflow release -> head of its alembic migrations (``alembic_version.version_num``).
 # The SQL in this package was checked against these; anything else is refused.
@@ -73,6 +73,10 @@ ALTER TABLE {SCHEMA}.consumer ADD COLUMN IF NOT EXISTS clock_skew double precisi
 ALTER TABLE {SCHEMA}.consumer ADD COLUMN IF NOT EXISTS presence text;
 -- schema version 6: a consumer warming up is unsubscribed on purpose (status, gauges)
 ALTER TABLE {SCHEMA}.consumer ADD COLUMN IF NOT EXISTS warming boolean NOT NULL DEFAULT false;
+-- schema version 8: the Airflow team filter a consumer applies (teams.py): team_scoped, it
+-- takes only rows whose trigger.team_name is team (NULL: rows of no team); else every row
+ALTER TABLE {SCHEMA}.consumer ADD COLUMN IF NOT EXISTS team text;
+ALTER TABLE {SCHEMA}.consumer ADD COLUMN IF NOT EXISTS team_scoped boolean NOT NULL DEFAULT false;
 
 -- Bookkeeping per Airflow trigger row (keyed by Airflow's trigger.id, no foreign key: a
 -- foreign key would put triggers of ours on Airflow's table; orphans are reaped instead).

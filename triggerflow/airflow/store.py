@@ -10,6 +10,8 @@ Airflow's rows, read as Airflow stores them and written as Airflow's own functio
 * claimed kwargs are decoded by Airflow's code (``kwargs.decode_kwargs``) with the Fernet key
   of Airflow's configuration; event bodies arrive already encoded by Airflow's serialisers
   (``codec``), so the writer needs no Airflow import;
+* a consumer of an Airflow team (``team_scope``, ``teams.py``) touches only rows of its team,
+  as ``airflow triggerer --team-name`` does under ``[core] multi_team``;
 * deferral, cancellation and trigger timeouts are Airflow's (API server, scheduler): it
   serves every role but ``DeferralStore`` (``store.roles``), and ``time_out_orphans`` does
   nothing; a task that leaves its trigger is read from the cancel log (``cancels``),
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -35,6 +38,7 @@ from triggerflow.airflow.nontask import GONE_WATCHERS, NON_TASK_IDS
 from triggerflow.airflow.setup import check_airflow_schema
 from triggerflow.airflow.statements import claims, reaper, writer
 from triggerflow.airflow.statements.lease import LEASE
+from triggerflow.airflow.teams import TeamScope, has_teams, render, scope_for
 from triggerflow.airflow.unused import UnusedTriggers
 from triggerflow.store import (
     MAX_BLOCKS,
@@ -43,6 +47,7 @@ from triggerflow.store import (
     FreedTrigger,
     KwargsError,
     KwargsProblem,
+    ProcessKind,
     Reaped,
     StoreError,
     StoreUnavailable,
@@ -60,6 +65,8 @@ from triggerflow.store.postgres.pool import (
 )
 from triggerflow.wire import Event, first_per_attempt
 
+log = logging.getLogger(__name__)
+
 # Bad content in an event body (not JSON, wrong JSON type, nested too deep): refused.
 _REFUSED = DATA_ERRORS
 _DECODE_INLINE = 64  # claimed rows decoded on the loop; more go to a thread
@@ -70,17 +77,22 @@ class AirflowStore(SqlStore):
     events it applies, opens its own connections to it).
 
     ``default_queue`` serves Airflow trigger rows that have no queue; None leaves them to
-    Airflow's own triggerer.
+    Airflow's own triggerer. ``team_scope``: the Airflow team filter of a consumer under
+    ``[core] multi_team`` (``teams.scope_for``); None, no filter (a writer, or multi_team off).
     """
 
     def __init__(self, pool: asyncpg.Pool, dsn: str, default_queue: str | None = None,
-                 resume_delay: float = 0.0, release: str = "3.3") -> None:
+                 resume_delay: float = 0.0, release: str = "3.3",
+                 team_scope: TeamScope | None = None) -> None:
         # Renewals share the pool here (no lease_dsn): an Airflow consumer holds 1,000s.
         super().__init__(pool, LEASE, refused=_REFUSED)
         self.default_queue = default_queue
         self.resume_delay = resume_delay  # the scheduler race's hold (loader.AirflowCoroutine)
         self.dsn = dsn  # for the events Airflow's own code applies (orm.py)
         self.airflow_release = release  # the Airflow minor whose schema this is (events.APPLY_FOR)
+        self.team_scope = team_scope
+        self.team = team_scope.team if team_scope else None  # the statements' team parameter
+        self._rendered: dict[str, str] = {}  # statement -> its team markers written out
         # Applied batches' trigger rows, deleted after the burst (see unused.py).
         self._applying = 0  # batches in _apply now
         self.unused = UnusedTriggers(self._clean_unused_of, busy=lambda: self._applying > 0)
@@ -96,20 +108,29 @@ class AirflowStore(SqlStore):
     @classmethod
     async def connect(cls, dsn: str, *, default_queue: str | None = None,
                       max_size: int = 4, lock_timeout: float | None = None,
-                      resume_delay: float = 0.0) -> AirflowStore:
+                      resume_delay: float = 0.0, consumer: bool = False,
+                      team: str | None = None) -> AirflowStore:
+        """A ``consumer``'s store filters by Airflow team (``team``: its ``--team``) as
+        ``teams.scope_for`` says, and raises ``TeamRefused`` for a team Airflow refuses."""
         async with store_errors(_REFUSED):
             pool = await _pool(dsn, max_size, "triggerflow-airflow", lock_timeout)
         housekeeping = None
+        scope = None
         try:
             async with pool.acquire() as conn:
                 release = await check_airflow_schema(conn)
+                if consumer:
+                    scope = await scope_for(conn, team, release)
             if lock_timeout is not None:
                 async with store_errors(_REFUSED):
                     housekeeping = await _pool(dsn, 1, "triggerflow-airflow-housekeeping")
         except BaseException:
             await pool.close()
             raise
-        store = cls(pool, dsn, default_queue, resume_delay, release)
+        store = cls(pool, dsn, default_queue, resume_delay, release, scope)
+        if scope is not None:
+            log.info("[core] multi_team is on: serving only trigger rows of %s",
+                     f"Airflow team {scope.team}" if scope.team else "no Airflow team")
         store.lock_timeout = lock_timeout
         store.housekeeping = housekeeping
         return store
@@ -144,6 +165,29 @@ class AirflowStore(SqlStore):
                            sys.intern(row["classpath"]), kwargs, problem, row["task"],
                            not_before=time.time() + young if young > 0 else None)
 
+    def _sql(self, statement: str) -> str:
+        """``statement`` with its team markers written out for this store (``teams.render``);
+        keyed by text, so a statement replaced at run time (tools/mutate_sql.py) is rendered
+        afresh."""
+        rendered = self._rendered.get(statement)
+        if rendered is None:
+            rendered = self._rendered[statement] = render(
+                statement, scoped=self.team_scope is not None,
+                has_teams=has_teams(self.airflow_release))
+        return rendered
+
+    # -- lease -----------------------------------------------------------------------------
+
+    async def register(self, kind: ProcessKind, host: str, pid: int, queues: Sequence[str],
+                       capacity: int, version: str, ttl: float) -> int:
+        """The lease row, with the team filter this process applies (status, the heartbeat
+        and the gauges read who serves a team from it)."""
+        row = await self._fetchrow(self._lease.register, str(kind), host, pid, list(queues),
+                                   capacity, version, ttl, self.team,
+                                   self.team_scope is not None)
+        assert row is not None
+        return int(row["id"])
+
     # -- consumer ------------------------------------------------------------------------
 
     async def claim(self, me: int, ids: Sequence[int], queues: Sequence[str]) -> ClaimResult:
@@ -151,7 +195,8 @@ class AirflowStore(SqlStore):
         if not ids:
             return result
         claimed: list[asyncpg.Record] = []
-        for row in await self._fetch(claims.CLAIM, me, list(ids), list(queues), self.default_queue):
+        for row in await self._fetch(self._sql(claims.CLAIM), me, list(ids), list(queues),
+                                     self.default_queue, self.team):
             if row["outcome"] == "claimed":
                 claimed.append(row)
             elif row["outcome"] == "suspect":
@@ -170,8 +215,8 @@ class AirflowStore(SqlStore):
 
     async def claim_probation(self, me: int, queues: Sequence[str],
                               limit: int | None = None) -> list[TriggerSpec]:
-        rows = await self._fetch(claims.CLAIM_PROBATION, me, list(queues), self.default_queue,
-                                 limit or 2**31 - 1)
+        rows = await self._fetch(self._sql(claims.CLAIM_PROBATION), me, list(queues),
+                                 self.default_queue, limit or 2**31 - 1, self.team)
         return await self._specs(list(rows))
 
     async def clear_probation(self, me: int, ids: Sequence[int]) -> None:
@@ -193,11 +238,13 @@ class AirflowStore(SqlStore):
         return [(r["id"], r["attempt"]) for r in await self._fetch(claims.TAKEN_SINCE, me, seconds)]
 
     async def fail_unloadable(self, me: int, ids: Sequence[int]) -> list[int]:
-        rows = await self._fetch(claims.FAIL_UNLOADABLE, list(ids), me, self.default_queue)
+        rows = await self._fetch(self._sql(claims.FAIL_UNLOADABLE), list(ids), me,
+                                 self.default_queue)
         return [r["id"] for r in rows]
 
     async def other_loaders(self, trigger_id: int, me: int) -> int:
-        rows = await self._fetch(claims.OTHER_LOADERS, trigger_id, me, self.default_queue)
+        rows = await self._fetch(self._sql(claims.OTHER_LOADERS), trigger_id, me,
+                                 self.default_queue)
         return int(rows[0]["count"]) if rows else 0
 
     async def forget(self, me: int, ids: Sequence[int]) -> None:
@@ -305,9 +352,9 @@ class AirflowStore(SqlStore):
         # no batches); what the taker may run is its own in the same rewrite.
         if taker is not None and queues is None:
             raise ValueError("a taker reaps only its own queues")
-        rows = await self._fetch(reaper.REAP_DEAD, *scope(queues), max_failures,
+        rows = await self._fetch(self._sql(reaper.REAP_DEAD), *scope(queues), max_failures,
                                  self.default_queue, taker and taker.me,
-                                 taker.room if taker else 0, max_blocks)
+                                 taker.room if taker else 0, max_blocks, self.team)
         freed = [FreedTrigger(r["id"], r["queue"], r["classpath"], r["failures"],
                               r["quarantined"]) for r in rows if not r["taken"]]
         taken = await self._specs([r for r in rows if r["taken"]])
@@ -315,8 +362,8 @@ class AirflowStore(SqlStore):
 
     async def resend_unclaimed(self, queues: Sequence[str] | None, grace: float,
                                limit: int) -> list[TriggerRef]:
-        rows = await self._fetch_waiting(reaper.RESEND_UNCLAIMED, *scope(queues), grace, limit,
-                                         self.default_queue)
+        rows = await self._fetch_waiting(self._sql(reaper.RESEND_UNCLAIMED), *scope(queues), grace,
+                                         limit, self.default_queue, self.team)
         return [TriggerRef(r["id"], r["queue"]) for r in rows]
 
     async def mark_published(self, ids: Sequence[int]) -> None:

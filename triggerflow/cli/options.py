@@ -38,8 +38,8 @@ CONSUMER = ("queues", "capacity", "allowed_modules", "lease_ttl", "renew_interva
             "max_event_message_bytes",
             "reaper_interval", "cancel_sweep_interval", "reconcile_after", "unclaimed_grace",
             "max_deferral", "max_clock_skew", "kwargs_key", "kwargs_keys", "airflow",
-            "default_queue",
-            "airflow_resume_delay")
+            "default_queue", "airflow_team",
+            "airflow_resume_delay", "airflow_exit_grace")
 # The writer runs a reaper too (max_failures, max_blocks), and its store carries the kwargs codec.
 WRITER = ("writer_batch", "writer_prefetch", "writer_concurrency", "writer_lock_timeout",
           "max_event_message_bytes", "team_users", "lease_ttl", "renew_interval",

@@ -26,6 +26,7 @@ from triggerflow.cli.options import (
     settings_options,
     stop_on_signals,
 )
+from triggerflow.errors import SettingRefused
 
 if TYPE_CHECKING:
     from triggerflow.settings import Settings
@@ -170,6 +171,9 @@ def consume(**values: Any) -> None:
     settings = build_settings(values)
     if not settings.queues:
         raise click.UsageError("give at least one --queue (or TRIGGERFLOW_QUEUES)")
+    if settings.airflow_team is not None and not settings.airflow:
+        raise failures.ConfigError("--team (TRIGGERFLOW_AIRFLOW_TEAM) names an Airflow team: "
+                                   "it needs --airflow (TRIGGERFLOW_AIRFLOW)")
     _setup_process(settings, "triggerflow-consumer")
 
     async def go() -> int:
@@ -177,7 +181,11 @@ def consume(**values: Any) -> None:
 
         return await serve_consumer(settings, stop_on_signals())
 
-    sys.exit(run_async(go()))
+    try:
+        code = run_async(go())
+    except SettingRefused as exc:  # e.g. a --team Airflow refuses: as a bad flag, exit 2
+        raise failures.ConfigError(str(exc)) from None
+    sys.exit(code)
 
 
 @click.command()

@@ -45,7 +45,9 @@ def _render_status(report: dict[str, Any]) -> None:
         c.add_column(col, no_wrap=col != "queues")
     for p in report["consumers"]:
         skew = "-" if p["clock_skew"] is None else f"{p['clock_skew']:+.3f}s"
-        c.add_row(str(p["id"]), p["kind"], p["host"], str(p["pid"]), ",".join(p["queues"]),
+        # Airflow mode: the team a consumer serves (--team, under [core] multi_team)
+        team = f" (Airflow team {p['airflow_team']})" if p.get("airflow_team") else ""
+        c.add_row(str(p["id"]), p["kind"], p["host"], str(p["pid"]), ",".join(p["queues"]) + team,
                   str(p["running"]), str(p["capacity"]),
                   p["renewed_at"].strftime("%H:%M:%S.%f")[:-3], skew,
                   ("yes (warming up)" if p["warming"] else "yes") if p["alive"] else "NO")
@@ -102,13 +104,15 @@ def json_default(value: Any) -> Any:
 
 async def check_health(settings: Settings, host: str, kind: str,
                        pid: int | None) -> tuple[bool, str]:
-    """(healthy, one-line reason) for the newest matching process row on ``host``."""
-    from triggerflow.store.postgres.admin import HEALTH
+    """(healthy, one-line reason) for the newest matching process row on ``host``, in the
+    mode's own lease table."""
+    from triggerflow.modes import mode_for
     from triggerflow.wiring import admin_database
 
+    sql = mode_for(settings).status_statements()
     db = await admin_database(settings)
     try:
-        rows: list[Any] = await db.fetch(HEALTH, host, kind, pid)
+        rows: list[Any] = await db.fetch(sql.health, host, kind, pid)
     finally:
         await db.close()
     what = "triggerflow process" if kind == "any" else kind

@@ -231,16 +231,18 @@ def events_unserved(writers: list[dict[str, Any]], events: dict[str, Any],
 
 
 def unserved_problems(rows: list[dict[str, Any]]) -> list[str]:
-    """One line per queue and reason of the rows nothing serves, naming the first few."""
-    grouped: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    """One line per queue, Airflow team and reason of the rows nothing serves, naming the
+    first few."""
+    grouped: dict[tuple[str, str | None, str], list[dict[str, Any]]] = {}
     for r in rows:
-        grouped.setdefault((r["queue"], r["reason"]), []).append(r)
+        grouped.setdefault((r["queue"], r.get("team"), r["reason"]), []).append(r)
     lines = []
-    for (queue, reason), named in grouped.items():
+    for (queue, team, reason), named in grouped.items():
         total = named[0]["total"]
         which = ", ".join(f"trigger {r['id']} ({r['kind']}, {r['classpath']})" for r in named)
         more = f" and {total - len(named)} more" if total > len(named) else ""
-        lines.append(f"queue {queue}: {total} trigger row(s) nothing serves, "
+        where = queue if team is None else f"{queue} (Airflow team {team})"
+        lines.append(f"queue {where}: {total} trigger row(s) nothing serves, "
                      f"{named[0]['why'] or reason}: {which}{more}")
     return lines
 

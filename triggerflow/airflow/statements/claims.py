@@ -3,6 +3,7 @@
 
 from triggerflow.airflow.nontask import LIVE
 from triggerflow.airflow.schema import SCHEMA
+from triggerflow.airflow.teams import consumer_serves, in_team
 from triggerflow.model import FailureReason
 from triggerflow.store.interface import SUSPECT_FAILURES
 
@@ -38,6 +39,7 @@ SPEC = """
 # them. The upsert takes the bookkeeping row's lock: a concurrent claim of the same id waits,
 # then finds a live owner and claims nothing. Asset-watcher and callback rows (no task; no
 # queue, so only with a default queue) are claimed too (nontask.LIVE).
+# Only rows of my Airflow team ($5, teams.py), as `airflow triggerer --team-name` takes them.
 # Each delivered id finds its rows by its own index lookups: the LATERAL subquery, kept one
 # by OFFSET 0 (as events.APPLY's by its FOR UPDATE). As plain joins, statistics taken right
 # after a burst's clean-up had emptied trigger and trigger_state let the planner read those
@@ -56,7 +58,7 @@ WITH candidate AS MATERIALIZED (
           AND (s.owner_id IS NULL OR NOT EXISTS (
                 SELECT 1 FROM {SCHEMA}.consumer o
                 WHERE o.id = s.owner_id AND o.expires_at > now()))
-          AND {LIVE}
+          AND {LIVE} AND {in_team("t.team_name", 5)}
         OFFSET 0
     ) AS c
 ), claimed AS (
@@ -86,12 +88,14 @@ WITH worst AS (
     FROM {SCHEMA}.trigger_state s JOIN "trigger" t ON t.id = s.trigger_id
     WHERE coalesce(t.queue, $3) = ANY($2::text[]) AND s.owner_id IS NULL
       AND s.quarantined_at IS NULL AND s.failures >= {SUSPECT_FAILURES}
+      AND {in_team("t.team_name", 5)}
     GROUP BY s.failures ORDER BY s.failures DESC LIMIT 1
 ), candidate AS (
     SELECT s.trigger_id FROM {SCHEMA}.trigger_state s JOIN "trigger" t ON t.id = s.trigger_id,
          worst
     WHERE coalesce(t.queue, $3) = ANY($2::text[]) AND s.owner_id IS NULL
       AND s.quarantined_at IS NULL AND s.failures = worst.f AND NOT ($1 = ANY(s.rejected_by))
+      AND {in_team("t.team_name", 5)}
     ORDER BY s.trigger_id
     LIMIT (SELECT least(greatest(1, (n + 1) / 2), $4::int) FROM worst)
     FOR UPDATE OF s SKIP LOCKED
@@ -146,7 +150,8 @@ SELECT trigger_id AS id, attempt FROM {SCHEMA}.trigger_state
 WHERE owner_id = $1 AND claimed_at >= now() - make_interval(secs => $2)
 """
 
-# Refused triggers no other live consumer may load: fail their tasks naming the class.
+# Refused triggers no other live consumer may load (of their queue and their team): fail their
+# tasks naming the class.
 FAIL_UNLOADABLE = f"""
 WITH gone AS (
     DELETE FROM {SCHEMA}.trigger_state s USING "trigger" t
@@ -155,7 +160,8 @@ WITH gone AS (
       AND NOT EXISTS (
           SELECT 1 FROM {SCHEMA}.consumer c
           WHERE c.kind = 'consumer' AND c.expires_at > now()
-            AND coalesce(t.queue, $3) = ANY(c.queues) AND NOT (c.id = ANY(s.rejected_by)))
+            AND coalesce(t.queue, $3) = ANY(c.queues) AND NOT (c.id = ANY(s.rejected_by))
+            AND {consumer_serves("c", "t")})
     RETURNING s.trigger_id, t.classpath, coalesce(t.queue, $3) AS queue, s.last_error
 ), failed AS (
     UPDATE task_instance ti SET state = 'scheduled', next_method = '__fail__',
@@ -176,6 +182,7 @@ LEFT JOIN {SCHEMA}.trigger_state s ON s.trigger_id = t.id
 WHERE t.id = $1 AND c.kind = 'consumer' AND c.expires_at > now()
   AND coalesce(t.queue, $3) = ANY(c.queues)
   AND NOT (c.id = ANY(coalesce(s.rejected_by, '{{}}'))) AND c.id <> $2
+  AND {consumer_serves("c", "t")}
 """
 
 FORGET_HELD = f"""

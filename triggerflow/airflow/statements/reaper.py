@@ -4,6 +4,7 @@
 from triggerflow.airflow.nontask import LIVE
 from triggerflow.airflow.schema import SCHEMA
 from triggerflow.airflow.statements.claims import SPEC, fail_quarantined
+from triggerflow.airflow.teams import in_team
 from triggerflow.store.interface import SUSPECT_FAILURES
 from triggerflow.store.postgres.statements.reaper import blame_columns, stalled, take_or_free
 
@@ -14,6 +15,8 @@ from triggerflow.store.postgres.statements.reaper import blame_columns, stalled,
 # 'Trigger failure', the reason as its traceback). Taken: of the reaper's queues ($1), with work (LIVE), not a
 # suspect even after this death, not refused by the taker, within its room; owned by it at a
 # raised attempt in this same rewrite, as a claim would leave it (one rewrite, not two).
+# A consumer of an Airflow team ($8, teams.py) reaps only consumers of its team and takes only
+# rows of its team.
 REAP_DEAD = f"""
 WITH dead AS (
     -- witnessed: another process with a lease no longer than this one's stayed valid across
@@ -25,7 +28,7 @@ WITH dead AS (
            ) AS witnessed,
            {stalled(f"{SCHEMA}.trigger_state")}
     FROM {SCHEMA}.consumer d
-    WHERE d.expires_at < now() AND (d.queues && $1::text[] OR $2)
+    WHERE d.expires_at < now() AND (d.queues && $1::text[] OR $2) AND {in_team("d.team", 8)}
     FOR UPDATE OF d SKIP LOCKED
 ), blamed AS (
     SELECT s.trigger_id, s.owner_id, s.failures, s.rejected_by,
@@ -38,7 +41,8 @@ WITH dead AS (
            coalesce($5::bigint IS NOT NULL AND coalesce(t.queue, $4) = ANY($1::text[])
                AND b.failures + (b.blame AND NOT b.blocker)::int < {SUSPECT_FAILURES}
                AND NOT coalesce($5::bigint = ANY(b.rejected_by), false)
-               AND {LIVE}, false) AS takeable  -- never NULL: it sets the attempt
+               AND {LIVE} AND {in_team("t.team_name", 8)},
+               false) AS takeable  -- never NULL: it sets the attempt
     FROM blamed b JOIN "trigger" t ON t.id = b.trigger_id
 ), fate AS (
     SELECT j.*, j.takeable AND NOT j.quarantine
@@ -63,7 +67,8 @@ LEFT JOIN task_instance ti ON ti.trigger_id = t.id AND coalesce(ti.state, '') = 
 
 # The backstop for wake-ups: Airflow trigger rows of a deferred task that nobody owns and that
 # were not published within the grace period (including rows never seen: inserted while no
-# listener was connected). Marks them published and returns them to re-send.
+# listener was connected). Marks them published and returns them to re-send. A consumer of an
+# Airflow team ($6, teams.py) re-sends only rows of its team.
 RESEND_UNCLAIMED = f"""
 WITH due AS (
     SELECT t.id, coalesce(t.queue, $5) AS queue
@@ -75,7 +80,7 @@ WITH due AS (
       AND t.created_date < now() - make_interval(secs => $3)
       AND coalesce(t.queue, $5) IS NOT NULL
       AND (coalesce(t.queue, $5) = ANY($1::text[]) OR $2)
-      AND {LIVE}
+      AND {LIVE} AND {in_team("t.team_name", 6)}
     ORDER BY t.id
     LIMIT $4
 ), marked AS (

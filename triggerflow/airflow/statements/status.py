@@ -10,13 +10,16 @@ applied rows waiting for their clean-up do not. ``$1`` is the default queue of r
 
 from triggerflow.airflow.nontask import LIVE
 from triggerflow.airflow.schema import SCHEMA
+from triggerflow.store.postgres.admin import health_sql
 
 CONSUMERS = f"""
 SELECT id, kind, host, pid, queues, capacity, running, version, registered_at AS started_at,
        renewed_at, expires_at, expires_at > now() AS alive,
        cardinality(probation) AS on_probation,
        extract(epoch FROM now() - registered_at)::float8 AS started_ago, subscribed, clock_skew,
-       warming
+       warming,
+       -- the Airflow team filter it applies (teams.py): a team, '(no team)', or NULL (none)
+       CASE WHEN team_scoped THEN coalesce(team, '(no team)') END AS airflow_team
 FROM {SCHEMA}.consumer ORDER BY kind, id
 """
 
@@ -26,6 +29,9 @@ SELECT id, host, pid, version, registered_at AS started_at, renewed_at,
        extract(epoch FROM now() - registered_at)::float8 AS started_ago
 FROM {SCHEMA}.consumer WHERE kind = 'writer' ORDER BY renewed_at DESC
 """
+
+# ``triggerflow health`` without a metrics port, on triggerflow's own lease table here.
+HEALTH = health_sql(f"{SCHEMA}.consumer")
 
 # $2: the queues named by --queue (served by triggerflow even with no consumer now).
 QUEUES = f"""

@@ -10,19 +10,22 @@ from typing import Any
 
 @dataclass(frozen=True)
 class StatusStatements:
-    """What ``triggerflow status`` reads, in one mode's tables (``Mode.status_statements``):
-    processes by lease, writers, per-queue trigger counts (``queue``, ``triggers``, ``owned``,
-    ``unclaimed``, ``quarantined``, ``dead_owner``), the overdue count, quarantined triggers.
+    """What ``triggerflow status`` and ``health`` read, in one mode's tables
+    (``Mode.status_statements``): processes by lease, writers, per-queue trigger counts
+    (``queue``, ``triggers``, ``owned``, ``unclaimed``, ``quarantined``, ``dead_owner``), the
+    overdue count, quarantined triggers.
     ``queues`` and ``quarantined`` are run with ``queue_args`` and ``quarantined_args``;
     ``unserved`` (a mode whose rows can wait where no consumer looks: Airflow's), with
     ``unserved_args``, lists rows nothing serves (``queue``, ``reason``, ``id``, ``kind``,
-    ``classpath``, ``total``: the first few of each queue and reason)."""
+    ``classpath``, ``total``: the first few of each queue and reason). ``health``: this
+    host's process rows, newest first (``$1`` host, ``$2`` kind or 'any', ``$3`` pid or NULL)."""
 
     consumers: str
     writers: str
     queues: str
     overdue: str
     quarantined: str
+    health: str
     queue_args: tuple[Any, ...] = ()
     quarantined_args: tuple[Any, ...] = ()
     unserved: str | None = None
@@ -125,13 +128,18 @@ UNION ALL
 SELECT id, NULL, false FROM dropped
 """
 
-HEALTH = """
+def health_sql(table: str) -> str:
+    """``triggerflow health``'s read of a lease table: this host's rows, newest first."""
+    return f"""
 SELECT id, kind, pid, expires_at > now() AS alive,
        extract(epoch FROM now() - renewed_at)::float8 AS age
-FROM consumer
+FROM {table}
 WHERE host = $1 AND ($2 = 'any' OR kind = $2) AND ($3::int IS NULL OR pid = $3)
 ORDER BY renewed_at DESC
 """
+
+
+HEALTH = health_sql("consumer")
 
 # Queues a writer reports on (it serves them all): those consumers declare, and those with
 # triggers waiting (a loose index scan of ``trigger_unclaimed``, cheap however many wait).
@@ -216,4 +224,4 @@ WHERE ti.id = f.id AND ti.state = 'running'
 
 
 NATIVE_STATUS = StatusStatements(STATUS_CONSUMERS, STATUS_WRITERS, STATUS_QUEUES, STATUS_OVERDUE,
-                                 QUARANTINED)
+                                 QUARANTINED, HEALTH)

@@ -250,6 +250,7 @@ spec:
 {{- if hasKey $seen .name }}{{ fail (printf "teams: %s is listed twice" .name) }}{{ end -}}
 {{- $_ := set $seen .name true -}}
 {{- if and (hasKey . "replicas") .keda }}{{ fail (printf "teams[%s]: give replicas or keda, not both (KEDA owns the count)" .name) }}{{ end -}}
+{{- if and .airflowTeam (ne $v.mode "airflow") }}{{ fail (printf "teams[%s]: airflowTeam names an Airflow team: it needs mode: airflow" .name) }}{{ end -}}
 {{- $db := printf "%s/%s" .databaseUrlSecret.name .databaseUrlSecret.key -}}
 {{- $amqp := printf "%s/%s" .amqpUrlSecret.name .amqpUrlSecret.key -}}
 {{- if eq $db $setupDb }}{{ fail (printf "teams[%s]: databaseUrlSecret is the setup's (the migration owner's URL bypasses row security); give the team its own role" .name) }}{{ end -}}

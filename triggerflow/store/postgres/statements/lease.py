@@ -22,8 +22,10 @@ class LeaseStatements:
     writer_gone: str
 
 
-def lease_statements(consumer: str, unregister: str) -> LeaseStatements:
-    """The statements on the ``consumer`` table named here (schema-qualified or not)."""
+def lease_statements(consumer: str, unregister: str, peers: str = "") -> LeaseStatements:
+    """The statements on the ``consumer`` table named here (schema-qualified or not);
+    ``peers``: more conditions on a peer ``c`` of the same queue set (Airflow mode: of the
+    same Airflow team, as the consumers of other teams cannot take its triggers)."""
     # Not counted as capacity until its first renewal says it is subscribed on the broker
     # (the column defaults to true only for rows of processes older than it, during an
     # upgrade).
@@ -59,7 +61,7 @@ RETURNING
     CASE WHEN $5 THEN (SELECT count(*) FROM {consumer} c
          WHERE c.kind = 'consumer' AND c.expires_at > now()
            AND CASE WHEN c.id = $1 THEN $6 ELSE c.subscribed END
-           AND c.queues @> $4::text[] AND c.queues <@ $4::text[])
+           AND c.queues @> $4::text[] AND c.queues <@ $4::text[]{peers})
     ELSE 0 END AS live_peers,
     -- my own row as this renewal writes it: subqueries of RETURNING see it as it was
     -- (0 right after a claim of thousands made me shed them all to a peer with none)
@@ -68,7 +70,7 @@ RETURNING
          FROM {consumer} c
          WHERE c.kind = 'consumer' AND c.expires_at > now()
            AND CASE WHEN c.id = $1 THEN $6 ELSE c.subscribed END
-           AND c.queues @> $4::text[] AND c.queues <@ $4::text[])
+           AND c.queues @> $4::text[] AND c.queues <@ $4::text[]{peers})
     ELSE 0 END AS peers_running
 """
     # The broker presence queue of the consumer's current connection (named again after each
