@@ -408,7 +408,7 @@ async def test_claim_and_held_plans_survive_statistics_of_emptied_trigger_tables
     them. Each delivered id, and each event, finds its rows by its own index lookups."""
     from triggerflow.airflow.statements.claims import CLAIM
     from triggerflow.airflow.statements.writer import HELD_ELSEWHERE
-    from triggerflow.airflow.teams import render
+    from triggerflow.airflow.teams import installed_has_teams, render
 
     n = 1000
     async with opened(served) as store:
@@ -416,8 +416,10 @@ async def test_claim_and_held_plans_survive_statistics_of_emptied_trigger_tables
         conn = await asyncpg.connect(served)
         try:
             second = await _burst_after_emptied_statistics(served, store, conn, me, n)
-            # as a consumer of no Airflow team runs it under [core] multi_team (teams.py)
-            claim = await _explained(conn, render(CLAIM, scoped=True, has_teams=True), me,
+            # as a consumer of no Airflow team runs it under [core] multi_team (teams.py);
+            # 3.2 has no teams (no trigger.team_name)
+            teams = installed_has_teams()
+            claim = await _explained(conn, render(CLAIM, scoped=teams, has_teams=teams), me,
                                      second, ["team-a"], None, None)
             assert len((await store.claim(me, second, ["team-a"])).claimed) == n
             held = await _explained(conn, HELD_ELSEWHERE, second, [1] * n, ["team-a"] * n, None)
