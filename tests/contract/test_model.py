@@ -28,7 +28,6 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import hypothesis.strategies as st
-import pytest
 from hypothesis import HealthCheck, seed, settings
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -474,11 +473,3 @@ def test_the_model_answers_as_itself() -> None:
     the machine itself), in-process and fast."""
     with asyncio.Runner() as runner:
         run_machine(MemorySystem(), runner)
-
-
-@pytest.mark.skip(reason="the Airflow store is not driven by the machine yet: it has no "
-                         "DeferralStore role (tasks defer and are cancelled through Airflow), "
-                         "its scheduler times tasks out, its claims skip rows whose task left "
-                         "deferred, and its failure reasons are Airflow's; each needs its own "
-                         "rule set and row reader (the contract cases cover it meanwhile)")
-def test_the_airflow_store_answers_as_the_model() -> None: ...
