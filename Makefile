@@ -1,5 +1,5 @@
 # `make test` is the README's test command: it creates .venv and installs the project; the
-# suite starts PostgreSQL clusters and RabbitMQ nodes of its own (tests/services.py) and
+# suite starts PostgreSQL clusters and RabbitMQ nodes of its own (testbed/services.py) and
 # leaves the machine's alone. `make test-airflow` runs the Airflow stack tests. `make demo` uses the machine's services (.ci/services starts
 # them when down); `make bench` runs on a fresh pair with pg_stat_statements preloaded.
 VENV := .venv
@@ -69,7 +69,7 @@ check: lint
 	exit $$status
 
 bench: venv
-	$(BIN)/python -m tests.services -- $(BIN)/triggerflow bench $(BENCH_ARGS)
+	$(BIN)/python -m testbed.services -- $(BIN)/triggerflow bench $(BENCH_ARGS)
 
 # SQL mutation testing (docs/testing.md): deletes one condition at a time from the fencing,
 # queue, take-over, quarantine and apply statements and runs the contract suite against it.

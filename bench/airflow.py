@@ -51,7 +51,7 @@ from bench.airflow_serve import (
 )
 from bench.airflow_waiting import PROCESS_ROLES, waiting
 from bench.common import dist, median_of, with_checkout
-from tests.airflow_stack import AirflowStack
+from testbed.airflow_stack import AirflowStack
 
 if TYPE_CHECKING:
     from triggerflow.settings import Settings

@@ -33,7 +33,7 @@ from bench.airflow import _Db, _tree_rss, seed_rows
 from bench.airflow_seed import bench_dag
 from bench.airflow_serve import QUEUE, TRIGGERFLOW, serve_with_triggerflow
 from bench.airflow_waiting import HELD_SQL, _per_role, held_within
-from tests.airflow_stack import AirflowStack
+from testbed.airflow_stack import AirflowStack
 
 if TYPE_CHECKING:
     from triggerflow.settings import Settings

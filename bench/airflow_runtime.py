@@ -24,7 +24,7 @@ from typing import Any
 
 from bench.airflow_serve import serve_with_triggerflow
 from bench.common import CHECKOUT
-from tests.airflow_stack import AirflowStack
+from testbed.airflow_stack import AirflowStack
 
 DAG_ID = "tf_runtime_latency"
 CONN_ID, VARIABLE = "tf_runtime_conn", "tf_runtime_variable"

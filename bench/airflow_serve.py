@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from bench.airflow_waiting import roles
-from tests.airflow_stack import AirflowStack
-from tests.airflow_support import delete_queues
+from testbed.airflow_stack import AirflowStack
+from testbed.broker import delete_queues
 
 QUEUE = "team-bench"
 

@@ -425,7 +425,7 @@ class Bench:
             raise RuntimeError(
                 "statement counts need pg_stat_statements in shared_preload_libraries, which "
                 "this PostgreSQL does not preload. `make bench` runs the bench on a cluster of "
-                "its own that does (python -m tests.services -- triggerflow bench); or add it "
+                "its own that does (python -m testbed.services -- triggerflow bench); or add it "
                 "to this server's configuration yourself and restart it") from exc
 
     async def stmt_snapshot(self) -> list[dict[str, Any]]:

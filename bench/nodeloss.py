@@ -1,5 +1,5 @@
 """Scenario nodeloss: a 3-node RabbitMQ cluster of the scenario's own; the node the writer
-and one consumer reach stops mid-burst (``tests/clusterloss.py``, which
+and one consumer reach stops mid-burst (``testbed/clusterloss.py``, which
 ``tests/test_cluster.py`` runs and checks). Printed: the longest pause between two applies,
 how late the latest task was, and whether every task was applied once.
 
@@ -41,7 +41,7 @@ async def _fresh_database(admin_dsn: str) -> str:
 
 
 async def _once(b: Bench, nodes: list[Any]) -> dict[str, Any]:
-    from tests.clusterloss import node_loss_mid_burst
+    from testbed.clusterloss import node_loss_mid_burst
 
     dsn = await _fresh_database(b.admin_dsn)
     logdir = Path(tempfile.mkdtemp(prefix="nodeloss-", dir=b.out))
@@ -57,7 +57,7 @@ async def _once(b: Bench, nodes: list[Any]) -> dict[str, Any]:
 
 
 async def scenario_nodeloss(b: Bench) -> dict[str, Any]:
-    from tests.clusterloss import rabbit_cluster
+    from testbed.clusterloss import rabbit_cluster
 
     cluster = rabbit_cluster(3)
     # in a thread: three Erlang VMs take minutes to boot under load, and a blocked loop

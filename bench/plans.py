@@ -1,6 +1,6 @@
 """The hot statements' plans with and without planner statistics (issue 22).
 
-``python -m tests.services -- python -m bench.plans HELD BURST`` migrates the database it
+``python -m testbed.services -- python -m bench.plans HELD BURST`` migrates the database it
 is given (``TRIGGERFLOW_DATABASE_URL``), turns autovacuum off on the hot tables, defers
 HELD far timers and BURST due ones through ``triggerflow defer`` (as a wave of deferrals
 would, with no ANALYZE since the tables were created), claims them for one consumer row, and

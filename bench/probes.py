@@ -1,6 +1,6 @@
 """What one health probe costs: the process's own ``/readyz`` against the CLI probe.
 
-``python -m tests.services -- python -m bench.probes [N]`` (or any environment
+``python -m testbed.services -- python -m bench.probes [N]`` (or any environment
 with ``TRIGGERFLOW_DATABASE_URL`` and ``TRIGGERFLOW_AMQP_URL``): starts one real consumer with
 a metrics port, then probes it ``N`` times over HTTP (a new connection each time, as the
 kubelet does) and measures the consumer's CPU from ``/proc/<pid>/stat`` before and after,

@@ -1,7 +1,7 @@
 """Scenario promote: the database primary is SIGKILLed mid-burst and its synchronous standby
 promoted; how long until events apply again, and whether every task was applied once.
 
-The two PostgreSQL clusters are the scenario's own (``tests/replication.py``, which
+The two PostgreSQL clusters are the scenario's own (``testbed/replication.py``, which
 ``tests/test_promotion.py`` runs with short leases and checks); the processes get a URL
 listing both with ``target_session_attrs=read-write`` and otherwise shipped defaults. The
 standby is promoted ``PROMOTE_AFTER`` seconds after the kill, standing for an HA manager's
@@ -27,7 +27,7 @@ PROMOTE_AFTER = 1.0
 
 
 async def _promote_once(b: Bench) -> dict[str, Any]:
-    from tests.replication import promote_mid_burst
+    from testbed.replication import promote_mid_burst
 
     logdir = Path(tempfile.mkdtemp(prefix="promote-", dir=b.out))
     run = await promote_mid_burst(

@@ -1,6 +1,6 @@
 """What stopping triggers promptly costs in Airflow mode, and how prompt it is.
 
-    .venv/bin/python -m tests.services -- .venv/bin/python -m tests.airflow_cancel_idle
+    .venv/bin/python -m testbed.services -- .venv/bin/python -m tests.airflow_cancel_idle
 
 On a migrated Airflow 3.3.2 database (no Airflow process: only triggerflow's writer and one
 consumer, default settings, so every statement counted is theirs), with pg_stat_statements:

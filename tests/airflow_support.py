@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-import concurrent.futures
 import contextlib
 import json
 import os
@@ -29,7 +28,8 @@ from typing import Any
 import asyncpg
 import pytest
 
-from tests.airflow_stack import AirflowStack
+from testbed.airflow_stack import AirflowStack
+from testbed.broker import delete_queues
 from tests.conftest import FAST, admin_sql, drop_database_sql
 from triggerflow.airflow.schema import installed_release
 
@@ -207,30 +207,6 @@ async def add_deferred_task(conn: asyncpg.Connection, task_id: str, classpath: s
         uuid.uuid4(), task_id, DAG_ID, RUN_ID, map_index, queue, trigger_id,
         None if next_kwargs is None else json.dumps(next_kwargs), DAG_VERSION_ID, max_tries)
     return DeferredTask(task_id, int(trigger_id), map_index)
-
-
-def delete_queues(amqp_url: str, queues: list[str]) -> None:
-    """Team queues keep their own names, so an earlier module's ``default`` outlives it on
-    the suite's broker: declared again under another namespace it is refused (its
-    dead-letter exchange differs), and the wake-ups it holds name another stack's triggers.
-    Each serving starts with its team queues deleted."""
-    import aio_pika
-
-    async def delete() -> None:
-        conn = await aio_pika.connect(amqp_url)
-        try:
-            for queue in queues:
-                channel = await conn.channel()
-                with contextlib.suppress(Exception):  # absent: nothing to delete
-                    await channel.queue_delete(queue)
-                if not channel.is_closed:
-                    await channel.close()
-        finally:
-            await conn.close()
-
-    # A thread of its own: some callers run inside an event loop (async fixtures).
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        pool.submit(asyncio.run, delete()).result(timeout=60)
 
 
 def serve_with_triggerflow(stack: AirflowStack, amqp_url: str, queues: list[str],

@@ -1,5 +1,5 @@
 """Fixtures against real PostgreSQL and RabbitMQ: the session's own cluster and node
-(tests/services.py; never the machine's), a database and a broker namespace per test (so
+(testbed/services.py; never the machine's), a database and a broker namespace per test (so
 tests never see each other's rows or queues), and real CLI processes.
 
 ``TRIGGERFLOW_TEST_PG`` / ``TRIGGERFLOW_TEST_AMQP`` / ``TRIGGERFLOW_TEST_MANAGEMENT`` (server
@@ -21,11 +21,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import aio_pika
 import asyncpg
 import pytest
 
-from tests.services import RabbitNode, Services, start_services
+from testbed.broker import delete_topology
+from testbed.services import RabbitNode, Services, start_services
 from triggerflow.sdk import TriggerflowClient
 from triggerflow.settings import Settings
 from triggerflow.store.postgres import Database, upgrade_schema
@@ -200,24 +200,6 @@ async def topology(settings: Settings, teams: list[str]) -> AsyncIterator[Topolo
     await broker.close()
     yield topo
     await delete_topology(settings.amqp_dsn(), topo, teams)
-
-
-async def delete_topology(amqp_dsn: str, topo: Topology, queues: list[str]) -> None:
-    """Delete everything a test's namespace declared: its team queues, shared queues and
-    exchanges. A failed delete closes its channel, so each gets a channel of its own."""
-    conn = await aio_pika.connect(amqp_dsn)
-    try:
-        deletions = [("queue_delete", q) for q in (*queues, topo.events_queue, topo.dead_queue)]
-        deletions += [("exchange_delete", x) for x in topo.exchanges()]
-        deletions += [("exchange_delete", x) for q in queues for x in topo.team_exchanges(q)]
-        for method, name in deletions:
-            ch = await conn.channel()
-            with contextlib.suppress(Exception):
-                await getattr(ch, method)(name)
-            if not ch.is_closed:
-                await ch.close()
-    finally:
-        await conn.close()
 
 
 @pytest.fixture

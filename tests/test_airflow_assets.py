@@ -31,11 +31,11 @@ from typing import Any
 
 import pytest
 
-from tests.airflow_stack import AirflowStack, airflow_bin
+from testbed.airflow_stack import AirflowStack, airflow_bin
+from testbed.broker import delete_queues
 from tests.airflow_support import (
     airflow_3_3_only,
     airflow_template,
-    delete_queues,
     serve_with_triggerflow,
     stack_database,
 )

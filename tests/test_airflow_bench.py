@@ -17,7 +17,7 @@ import pytest
 
 from bench.airflow import QUEUE, QUICK, seed_rows
 from bench.airflow_seed import DAG_ID, bench_dag
-from tests.airflow_stack import AirflowStack
+from testbed.airflow_stack import AirflowStack
 
 # A real Airflow stack (scheduler, API server, DAG processor): `make test-airflow`'s stage.
 pytestmark = pytest.mark.airflow_stack

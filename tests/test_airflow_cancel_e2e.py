@@ -36,8 +36,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from testbed.airflow_stack import AirflowStack
 from tests.airflow_conformance import TaskEnd, TaskKey, assert_conforms, ends
-from tests.airflow_stack import AirflowStack
 from tests.airflow_support import (
     airflow_minor,
     airflow_template,

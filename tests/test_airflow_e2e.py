@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from testbed.airflow_stack import AirflowStack
 from tests.airflow_conformance import TaskEnd, TaskKey, assert_conforms, ends
-from tests.airflow_stack import AirflowStack
 from tests.airflow_support import airflow_template, serve_with_triggerflow, stack_database
 from tests.conftest import ROOT
 from triggerflow.settings import AIRFLOW_RESUME_DELAY

@@ -21,9 +21,10 @@ import asyncpg
 import pendulum
 import pytest
 
+from testbed.broker import delete_topology
 from tests import airflow_support as af
 from tests.airflow_support import airflow_db, airflow_template
-from tests.conftest import FAST, Processes, SuiteServices, delete_topology, wait_until
+from tests.conftest import FAST, Processes, SuiteServices, wait_until
 from tests.test_health import probe_until
 from tests.test_ops import free_port
 from triggerflow.settings import Settings

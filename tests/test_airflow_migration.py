@@ -30,9 +30,10 @@ import asyncpg
 import pendulum
 import pytest
 
+from testbed.broker import delete_topology
 from tests import airflow_support as af
 from tests.airflow_support import airflow_db, airflow_template
-from tests.conftest import FAST, Processes, SuiteServices, delete_topology, settings_env, wait_until
+from tests.conftest import FAST, Processes, SuiteServices, settings_env, wait_until
 from triggerflow.settings import Settings
 from triggerflow.transport.rabbitmq import Topology
 

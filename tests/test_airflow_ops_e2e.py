@@ -23,8 +23,8 @@ from typing import Any
 import httpx
 import pytest
 
+from testbed.airflow_stack import AirflowStack, airflow_bin
 from tests.airflow_dags.triggerflow_ops import MARKER, QUEUE, SECRET, UNSERVED
-from tests.airflow_stack import AirflowStack, airflow_bin
 from tests.airflow_support import airflow_template, serve_with_triggerflow, stack_database
 from tests.conftest import FAST, ROOT
 

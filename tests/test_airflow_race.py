@@ -16,7 +16,7 @@ from datetime import datetime
 
 import pytest
 
-from tests.airflow_stack import AirflowStack
+from testbed.airflow_stack import AirflowStack
 from tests.airflow_support import airflow_template, serve_with_triggerflow, stack_database
 from tests.conftest import ROOT
 from triggerflow.settings import AIRFLOW_RESUME_DELAY

@@ -22,8 +22,8 @@ from typing import Any
 
 import pytest
 
+from testbed.airflow_stack import AirflowStack, airflow_bin
 from tests.airflow_conformance import TaskEnd, TaskKey, assert_conforms, ends
-from tests.airflow_stack import AirflowStack, airflow_bin
 from tests.airflow_support import airflow_template, serve_with_triggerflow, stack_database
 from tests.conftest import ROOT
 from tests.test_airflow_e2e import serving

@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 
+from testbed.services import pg_bin
+from testbed.spy import spy_on_events
 from tests.conftest import ROOT, START_WAIT, Processes, admin_sql, drop_database_sql, wait_until
 from tests.release import audit, audited
-from tests.services import pg_bin
 from tests.test_faults import timers
 from tests.test_rolling_upgrade import cli, registered
-from tests.test_stuck_faults import spy_on_events
 from triggerflow.sdk import TriggerflowClient
 from triggerflow.settings import Settings
 from triggerflow.store.postgres import Database, database_name

@@ -1,12 +1,12 @@
 """The topology on a 3-node RabbitMQ cluster: the node the writer and one consumer are
 connected to stops mid-burst; every task is applied once and nothing is dead-lettered.
 
-Three nodes of the suite's own (tests/services.py's launcher, each on its own ports) are
+Three nodes of the suite's own (testbed/services.py's launcher, each on its own ports) are
 clustered with ``join_cluster``; the team queue and the events queue are quorum queues, so
 their messages live on all three and a majority keeps them available. The writer and one
 consumer reach the cluster through a forwarder that prefers the victim (a load balancer in
 front of the cluster); the other consumer is on the third node. The scenario is
-tests/clusterloss.py's, which ``triggerflow bench nodeloss`` times.
+testbed/clusterloss.py's, which ``triggerflow bench nodeloss`` times.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.clusterloss import node_loss_mid_burst, rabbit_cluster, running_nodes
+from testbed.clusterloss import node_loss_mid_burst, rabbit_cluster, running_nodes
+from testbed.services import RabbitNode
 from tests.conftest import FAST
-from tests.services import RabbitNode
 
 
 @pytest.fixture(scope="module")

@@ -25,8 +25,8 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from testbed.services import free_port
 from tests.conftest import FAST, ROOT, Processes, wait_until
-from tests.services import free_port
 from tests.triggers import Killer, Raises
 from triggerflow.model import TaskKey
 from triggerflow.sdk import Deferral, TriggerflowClient

@@ -116,7 +116,7 @@ async def test_paused_consumer_is_fenced_and_reregisters(
     sleeper_id = await consumer_id(db, sleeper)
     await client.defer_many(timers(200, 8, teams[0]))
     await wait_until(lambda: all_owned_by(db, sleeper_id, 200), 15)
-    from tests.test_stuck_faults import spy_on_events  # it imports this module's helpers
+    from testbed.spy import spy_on_events  # it imports this module's helpers
 
     # A spy on the events exchange sees what each consumer publishes, whatever the writer's
     # fencing makes of it: the peer's 200 events at attempt 2, and nothing of the woken

@@ -14,8 +14,8 @@ from typing import Any
 import httpx
 from yarl import URL
 
+from testbed.netproxy import tcp_proxy
 from tests.conftest import Processes, consumer_id, wait_until
-from tests.netproxy import tcp_proxy
 from tests.test_ops import cli, free_port, key, scrape_when_up, total, writer_up
 from tests.triggers import BlocksLoop, WaitsForever
 from triggerflow.refusals import ACCESS_ATTEMPTS

@@ -26,9 +26,9 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from testbed.services import free_port
 from tests import helm_chart
 from tests.manifests import by_kind, containers, pod_spec, secret_refs, validate, workloads
-from tests.services import free_port
 from tests.test_compose import _resolve
 from triggerflow.settings import Settings
 

@@ -69,7 +69,7 @@ async def test_a_frozen_consumer_keeps_its_socket_and_is_left_to_its_lease(
     client: TriggerflowClient, db: Database, procs: Processes, teams: list[str],
     settings: Settings,
 ) -> None:
-    from tests.test_stuck_faults import spy_on_events
+    from testbed.spy import spy_on_events
 
     procs.writer()
     # Both up and hearing deletions before the timers exist: whichever claims them is frozen.

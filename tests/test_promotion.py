@@ -2,7 +2,7 @@
 to the new primary through its multi-host URL and goes on; each task is applied exactly once.
 
 The primary and its synchronous standby are clusters of this test's own
-(tests/replication.py); the broker is the session's. How long the gap lasts is printed by
+(testbed/replication.py); the broker is the session's. How long the gap lasts is printed by
 ``triggerflow bench promote``, not asserted here.
 """
 
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from testbed.replication import promote_mid_burst
 from tests.conftest import FAST
-from tests.replication import promote_mid_burst
 
 
 async def test_promoted_standby_takes_over_mid_burst_and_each_task_is_applied_once(

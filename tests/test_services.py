@@ -11,8 +11,8 @@ import asyncpg
 import httpx
 import pytest
 
+from testbed.services import reap_leftovers
 from tests.conftest import SuiteServices
-from tests.services import reap_leftovers
 
 
 async def test_own_services_are_not_the_machines(services: SuiteServices) -> None:

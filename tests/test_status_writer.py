@@ -17,8 +17,8 @@ from typing import Any
 import httpx
 import pytest
 
+from testbed.services import free_port
 from tests.conftest import Processes, states, wait_until
-from tests.services import free_port
 from tests.test_dashboards import alert_rules, alert_test, promtool, run_rule_tests
 from tests.test_ops import Samples, scrape
 from tests.test_status_broker import cli

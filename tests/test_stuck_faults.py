@@ -5,14 +5,12 @@ the consumers published, and when."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import signal
 import statistics
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
@@ -20,8 +18,9 @@ from urllib.parse import urlsplit, urlunsplit
 import aio_pika
 import pytest
 
+from testbed.netproxy import tcp_proxy
+from testbed.spy import spy_on_events
 from tests.conftest import FAST, Processes, SuiteServices, consumer_id, wait_until
-from tests.netproxy import tcp_proxy
 from tests.test_faults import timers
 from tests.test_ops import free_port, scrape_when_up, total
 from tests.triggers import ReportsPid, WaitsForever
@@ -32,7 +31,6 @@ from triggerflow.store import NewDeferral, ProcessKind, Taker
 from triggerflow.store.postgres import Database, PostgresStore
 from triggerflow.transport.rabbitmq import Topology
 from triggerflow.triggers import DateTimeTrigger
-from triggerflow.wire import decode_events
 
 Q = "stuck-q"
 
@@ -201,38 +199,6 @@ async def test_an_overdue_task_is_timed_out_even_under_a_live_owner(
 
 
 # ----------------------------------------------------------------------------- faults in flight
-
-
-@dataclass
-class Spy:
-    """A queue bound to the events exchange: every event published, with when it arrived."""
-
-    seen: list[tuple[float, int, int, str]] = field(default_factory=list)  # (t, id, attempt, kind)
-
-    def by_attempt(self, attempt: int) -> set[int]:
-        return {tid for _, tid, a, _ in self.seen if a == attempt}
-
-
-@contextlib.asynccontextmanager
-async def spy_on_events(settings: Settings) -> AsyncIterator[Spy]:
-    topo = Topology(settings.namespace)
-    conn = await aio_pika.connect(settings.amqp_dsn())
-    spy = Spy()
-    try:
-        ch = await conn.channel()
-        exchange = await ch.get_exchange(topo.events)
-        queue = await ch.declare_queue(exclusive=True, auto_delete=True)
-        await queue.bind(exchange, "#")
-
-        async def on_message(message: aio_pika.abc.AbstractIncomingMessage) -> None:
-            async with message.process():
-                for ev in decode_events(message.body):
-                    spy.seen.append((time.monotonic(), ev.trigger_id, ev.attempt, ev.kind))
-
-        await queue.consume(on_message)
-        yield spy
-    finally:
-        await conn.close()
 
 
 async def purge_events_queue(settings: Settings) -> int:

@@ -18,8 +18,8 @@ import subprocess
 from datetime import datetime
 from typing import Any
 
+from testbed.services import free_port
 from tests.conftest import Processes, wait_until
-from tests.services import free_port
 from tests.test_ops import Samples, scrape_when_up
 from tests.test_status_broker import cli
 from triggerflow.settings import Settings

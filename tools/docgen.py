@@ -148,6 +148,7 @@ MAP_ROOTS = (
     ("triggerflow_demo", "beside it in the wheel: `triggerflow demo`, its example operators "
                          "and triggers, and the reference host"),
     ("bench", "in the source tree only: `triggerflow bench`, run from a checkout"),
+    ("testbed", "in the source tree only: the private services the suite and the bench start"),
 )
 CHECKOUT = Path(__file__).resolve().parents[1]
 

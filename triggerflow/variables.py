@@ -37,7 +37,7 @@ READ_ELSEWHERE: dict[str, str] = {
     "TRIGGERFLOW_TEST_PG": "tests/conftest.py: an existing PostgreSQL for the suite",
     "TRIGGERFLOW_TEST_AMQP": "tests/conftest.py: an existing RabbitMQ for the suite",
     "TRIGGERFLOW_TEST_MANAGEMENT": "tests/conftest.py: that RabbitMQ's management API",
-    "TRIGGERFLOW_TEST_SERVICES_DIR": "tests/services.py: where the suite's servers live",
+    "TRIGGERFLOW_TEST_SERVICES_DIR": "testbed/services.py: where the suite's servers live",
     "TRIGGERFLOW_TEST_SHOW_LOGS": "tests/conftest.py, tests/test_airflow_migration.py: "
                                   "print the processes' logs",
     "TRIGGERFLOW_TEST_KEEP_AIRFLOW_HOME": "tests/airflow_support.py: keep the Airflow stack's "

@@ -1,6 +1,6 @@
 """Render the dashboard's panels for one team from a real run, as a PNG (docs/operations.md).
 
-Starts a PostgreSQL cluster and a RabbitMQ node of its own (tests/services.py), a writer,
+Starts a PostgreSQL cluster and a RabbitMQ node of its own (testbed/services.py), a writer,
 two consumers for team-ml and one for team-data-eng, and a Prometheus server (``prometheus``
 on PATH or unpacked by ``.ci/tools``) scraping them every 2 s. It defers a steady stream of
 timers with a burst and some failing triggers, stops one consumer past its lease once, then
@@ -32,7 +32,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from tests.services import free_port, running_services  # noqa: E402
+from testbed.services import free_port, running_services  # noqa: E402
 from triggerflow.model import TaskKey  # noqa: E402
 from triggerflow.sdk import Deferral, TriggerflowClient  # noqa: E402
 from triggerflow.settings import Settings  # noqa: E402

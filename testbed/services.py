@@ -8,7 +8,7 @@ behind, and the next run stops whatever still runs there and removes it (``reap_
 Both daemons refuse to run as root (as sessions and CI do), so they run as the ``postgres``
 and ``rabbitmq`` users on directories those users own; when not root they run as the caller.
 
-``python -m tests.services -- CMD ...`` runs CMD with ``TRIGGERFLOW_DATABASE_URL``/
+``python -m testbed.services -- CMD ...`` runs CMD with ``TRIGGERFLOW_DATABASE_URL``/
 ``TRIGGERFLOW_AMQP_URL``/``TRIGGERFLOW_MANAGEMENT_URL`` pointing at a fresh pair (durable
 settings), then stops them: ``make bench`` uses it to get ``pg_stat_statements`` preloaded
 without editing the machine's PostgreSQL.
@@ -140,7 +140,7 @@ class PostgresCluster:
             **self.settings,
         }
         with open(self.data / "postgresql.conf", "a") as f:
-            f.write("\n# tests/services.py\n")
+            f.write("\n# testbed/services.py\n")
             f.writelines(f"{k} = {v}\n" for k, v in conf.items())
         self._ctl("start")
         return self
@@ -173,7 +173,7 @@ class PostgresCluster:
               "-h", "127.0.0.1", "-p", str(self.port), "-U", "postgres", "-R", "-X", "stream",
               "--no-sync"])
         with open(standby.data / "postgresql.conf", "a") as f:
-            f.write(f"\n# tests/services.py: standby\nport = {standby.port}\n"
+            f.write(f"\n# testbed/services.py: standby\nport = {standby.port}\n"
                     f"unix_socket_directories = '{root}'\nsynchronous_standby_names = ''\n")
         standby._ctl("start")
         return standby
@@ -361,7 +361,7 @@ def reap_leftovers(base: Path = BASE) -> list[Path]:
             node = RabbitNode(nodefile.parent, name=nodefile.read_text().split("@")[0])
             with contextlib.suppress(Exception):
                 node.ctl("stop", timeout=60)
-        # the session's cluster, or a primary and its standby (tests/replication.py)
+        # the session's cluster, or a primary and its standby (testbed/replication.py)
         for pidfile in run.glob("*/data/postmaster.pid"):
             with contextlib.suppress(Exception):
                 PostgresCluster(pidfile.parent.parent).stop()
@@ -402,14 +402,14 @@ def main(argv: list[str]) -> int:
     if argv[:1] == ["--"]:
         argv = argv[1:]
     if not argv:
-        print("usage: python -m tests.services -- COMMAND [ARG...]", file=sys.stderr)
+        print("usage: python -m testbed.services -- COMMAND [ARG...]", file=sys.stderr)
         return 2
     with running_services(fast=False) as s:
         env = dict(os.environ)
         env["TRIGGERFLOW_DATABASE_URL"] = f"{s.postgres.url}/triggerflow"
         env["TRIGGERFLOW_AMQP_URL"] = s.rabbit.url
         env["TRIGGERFLOW_MANAGEMENT_URL"] = s.rabbit.management_url
-        print(f"tests.services: PostgreSQL {s.postgres.url} (pg_stat_statements preloaded), "
+        print(f"testbed.services: PostgreSQL {s.postgres.url} (pg_stat_statements preloaded), "
               f"RabbitMQ {s.rabbit.url}", file=sys.stderr)
         return subprocess.run(argv, env=env).returncode
 

@@ -37,7 +37,7 @@ from typing import Any
 
 import httpx
 
-from tests.services import free_port
+from testbed.services import free_port
 
 SERVICES = ("scheduler", "api-server", "dag-processor")
 STOP_GRACE = 15.0  # seconds a process gets after SIGTERM before SIGKILL

@@ -8,7 +8,7 @@ first node that accepts, the victim while it is up); a second consumer of the sa
 connects straight to the third node, the SDK to the first. A burst of timers fires; the
 victim stops in the middle of it, closing the writer's and the first consumer's connections;
 they reconnect through the forwarder, which sends them to the first node. Every apply is
-logged by the row trigger of ``tests/replication.py`` (``apply_log``), so a task applied
+logged by the row trigger of ``testbed/replication.py`` (``apply_log``), so a task applied
 twice shows, and so does the longest pause between two applies.
 """
 
@@ -30,8 +30,8 @@ from typing import Any
 
 import asyncpg
 
-from tests.netproxy import tcp_proxy
-from tests.replication import (
+from testbed.netproxy import tcp_proxy
+from testbed.replication import (
     APPLY_LOG,
     ROOT,
     defer_spread,
@@ -39,7 +39,7 @@ from tests.replication import (
     wait_all_applied,
     wait_registered,
 )
-from tests.services import BASE, RabbitNode, free_port
+from testbed.services import BASE, RabbitNode, free_port
 from triggerflow.sdk import TriggerflowClient
 from triggerflow.settings import Settings
 from triggerflow.supervise import Supervisor, child_env
@@ -48,7 +48,7 @@ from triggerflow.transport.rabbitmq import RabbitTransport, Topology
 
 @contextlib.contextmanager
 def rabbit_cluster(size: int = 3) -> Iterator[list[RabbitNode]]:
-    """``size`` nodes of tests/services.py's launcher, joined with ``join_cluster``."""
+    """``size`` nodes of testbed/services.py's launcher, joined with ``join_cluster``."""
     BASE.mkdir(parents=True, exist_ok=True)
     # "<pid>-..." like the session's own services: a killed run is reaped by the next one
     root = BASE / f"{os.getpid()}-cluster{uuid.uuid4().hex[:6]}"
@@ -57,7 +57,7 @@ def rabbit_cluster(size: int = 3) -> Iterator[list[RabbitNode]]:
     nodes = [RabbitNode(root / f"rabbit{i}", start_timeout=360) for i in range(size)]
     try:
         # one after the other: three Erlang VMs booting at once on a loaded 2-core machine
-        # missed tests/services.py's 120 s start timeout (load average 27)
+        # missed testbed/services.py's 120 s start timeout (load average 27)
         for node in nodes:
             node.start()
         for node in nodes[1:]:

@@ -32,7 +32,7 @@ from typing import Any
 
 import asyncpg
 
-from tests.services import BASE, FAST_PG, PostgresCluster
+from testbed.services import BASE, FAST_PG, PostgresCluster
 from triggerflow.model import TaskKey
 from triggerflow.sdk import Deferral, TriggerflowClient
 from triggerflow.settings import Settings
@@ -198,7 +198,7 @@ async def _prepare(dsn: str, namespace: str, amqp_url: str) -> Settings:
 
 @contextlib.asynccontextmanager
 async def _spy(settings: Settings, run: PromotionRun) -> AsyncIterator[None]:
-    from tests.test_stuck_faults import spy_on_events
+    from testbed.spy import spy_on_events
 
     async with spy_on_events(settings) as spy:
         yield
@@ -281,7 +281,7 @@ async def promote_mid_burst(
             run.alive = writer.poll() is None and consumer.poll() is None
         finally:
             await asyncio.to_thread(sup.stop_all)
-            from tests.conftest import delete_topology
+            from testbed.broker import delete_topology
 
             await delete_topology(config.amqp_dsn(), Topology(namespace), [team])
             run.logs = {"writer": sup.log(writer), "consumer": sup.log(consumer)}
