@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from collections.abc import Iterable, Mapping
 from datetime import timedelta
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 from pydantic import (
     BaseModel,
@@ -25,72 +24,25 @@ from pydantic import (
     model_validator,
 )
 
+from triggerflow.setting_values import (
+    ZERO,
+    Duration,
+    LogFormat,
+    LogLevel,
+    check_amqp_url,
+    check_postgres_url,
+    lower,
+    seconds,
+    upper,
+)
 from triggerflow.store.interface import MAX_BLOCKS
 from triggerflow.variables import UnknownSetting, refusal, unknown_variables
-
-
-def _seconds(value: object) -> object:
-    """A number, or a string holding one, is seconds; anything else pydantic parses as a
-    duration (``PT5M``, ``0:05:00``)."""
-    if isinstance(value, str):
-        try:
-            return timedelta(seconds=float(value))
-        except ValueError:
-            return value
-    return value
-
-
-# A duration: seconds as a number (flags, env vars, keyword arguments), or a timedelta.
-Duration = Annotated[timedelta, BeforeValidator(_seconds)]
-ZERO = timedelta(0)
-
-
-def seconds(n: float) -> timedelta:
-    return timedelta(seconds=n)
-
 
 # Airflow mode's hold after a deferral (docs/airflow-race.md): its ceiling, the smallest
 # delay measured safe on the real stack; and the time a deferring worker may take to exit,
 # from which the scheduler's own writes are read as the witness that releases it sooner.
 AIRFLOW_RESUME_DELAY = 20.0
 AIRFLOW_EXIT_GRACE = 10.0
-
-
-def _lower(value: object) -> object:
-    return value.lower() if isinstance(value, str) else value
-
-
-def _upper(value: object) -> object:
-    return value.upper() if isinstance(value, str) else value
-
-
-# Airflow's own form of the same URL (sql_alchemy_conn), accepted as asyncpg's.
-_POSTGRES_SCHEME = re.compile(r"^postgres(?:ql)?(?:\+[a-z0-9_]+)?://", re.I)
-
-
-def _postgres_url(value: object) -> object:
-    text = value.get_secret_value() if isinstance(value, SecretStr) else value
-    if not isinstance(text, str):
-        return value
-    if not _POSTGRES_SCHEME.match(text):
-        scheme = text.split("://", 1)[0] if "://" in text else "no scheme"
-        raise ValueError(f"not a PostgreSQL URL ({scheme}); give postgresql://user:pass@host/db")
-    return _POSTGRES_SCHEME.sub("postgresql://", text, count=1)
-
-
-def _amqp_url(value: object) -> object:
-    """Only what the AMQP client speaks: an ``http://`` URL (the management API's) or a bare
-    host would otherwise be retried as an unreachable broker."""
-    text = value.get_secret_value() if isinstance(value, SecretStr) else value
-    if isinstance(text, str) and not re.match(r"^amqps?://", text, re.I):
-        scheme = text.split("://", 1)[0] if "://" in text else "no scheme"
-        raise ValueError(f"not an AMQP URL ({scheme}); give amqp://user:pass@host:5672/vhost "
-                         "or amqps://")
-    return value
-
-
-LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
-LogFormat = Literal["text", "json"]
 
 
 # Flags not spelled from their field's name.
@@ -145,7 +97,7 @@ class Settings(BaseModel):
                 if cls.env_name(name) in environ}
 
     # -- connections --------------------------------------------------------------------
-    amqp_url: Annotated[SecretStr, BeforeValidator(_amqp_url)] = Field(
+    amqp_url: Annotated[SecretStr, BeforeValidator(check_amqp_url)] = Field(
         SecretStr("amqp://guest:guest@127.0.0.1:5672/"),
         description="RabbitMQ URL. The heartbeat below is added unless the URL sets one.",
     )
@@ -156,7 +108,7 @@ class Settings(BaseModel):
             "team queues with it). Default: the AMQP URL's user, password and host on port 15672."
         ),
     )
-    database_url: Annotated[SecretStr, BeforeValidator(_postgres_url)] = Field(
+    database_url: Annotated[SecretStr, BeforeValidator(check_postgres_url)] = Field(
         SecretStr("postgresql://127.0.0.1:5432/triggerflow"),
         description=(
             "PostgreSQL URL. Airflow's `postgresql+psycopg2://` form is accepted as "
@@ -337,9 +289,9 @@ class Settings(BaseModel):
     metrics_port: int = Field(0, ge=0, description="Prometheus endpoint port (0: off).")
     otlp_endpoint: str | None = Field(None, description="OTLP/HTTP endpoint for traces+metrics.")
     trace_file: str | None = Field(None, description="Append finished spans as JSON lines here.")
-    log_level: Annotated[LogLevel, BeforeValidator(_upper)] = Field(
+    log_level: Annotated[LogLevel, BeforeValidator(upper)] = Field(
         "INFO", description="Log level: DEBUG, INFO, WARNING, ERROR or CRITICAL (any case).")
-    log_format: Annotated[LogFormat, BeforeValidator(_lower)] = Field(
+    log_format: Annotated[LogFormat, BeforeValidator(lower)] = Field(
         "text", description="Log lines as `text` or `json` (any case).")
 
     @field_validator("queues", "allowed_modules", mode="before")
