@@ -1,11 +1,11 @@
 """Native mode and Airflow mode: everything that differs between them, behind one object.
 
-A :class:`Mode` owns the store it connects, the loader and event encoding of its consumers,
-what runs beside a writer (Airflow mode: LISTEN wake-ups, the backstop, the triggerer
-heartbeat), the writer's reaper scope and where the queue gauges and ``status`` read their
-numbers. The
-composition root (``wiring``) picks one with :func:`mode_for` and hands its parts to the
-same loops; nothing else asks which mode it is in.
+A :class:`Mode` owns the store it connects and says what that store can do beyond the roles
+(``capabilities``: the loops ask it, never the store), the loader and event encoding of its
+consumers, what runs beside a writer (Airflow mode: LISTEN wake-ups, the backstop, the
+triggerer heartbeat), the writer's reaper scope and where the queue gauges and ``status``
+read their numbers. The composition root (``wiring``) picks one with :func:`mode_for` and
+hands its parts to the same loops; nothing else asks which mode it is in.
 
 Native mode lives here. Airflow mode lives in ``triggerflow.airflow.mode`` and is imported
 only when ``settings.airflow`` asks for it, so a native process never imports Airflow's code.
@@ -17,6 +17,8 @@ import asyncio
 import contextlib
 from contextlib import AbstractAsyncContextManager
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+
+from triggerflow.store import Capabilities
 
 if TYPE_CHECKING:
     from triggerflow.codec import KwargsCodec
@@ -37,10 +39,13 @@ class Mode(Protocol[StoreT]):
     """What a mode decides; ``StoreT`` is the store it connects and its writer side uses.
 
     ``writer_queues``: the queues a writer's backstop and gauges cover; empty for every queue.
+    ``capabilities``: what its store does beyond the roles; handed to the consumer and the
+    writer beside the store.
     """
 
     name: str
     writer_queues: list[str]
+    capabilities: Capabilities
 
     async def connect_store(self, *, max_size: int | None = None,
                             lock_timeout: float | None = None, consumer: bool = False) -> StoreT:
@@ -98,6 +103,7 @@ class NativeMode:
         # A native writer serves every queue, whatever ``queues`` says (an environment
         # shared by all processes may set it).
         self.writer_queues: list[str] = []
+        self.capabilities = Capabilities()
 
     async def connect_store(self, *, max_size: int | None = None,
                             lock_timeout: float | None = None,

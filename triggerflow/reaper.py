@@ -46,14 +46,16 @@ class Local(Protocol):
 
 
 class Reaper:
-    """Sweeps for one process; ``local`` is the consumer it runs in (a writer's has none)."""
+    """Sweeps for one process; ``local`` is the consumer it runs in (a writer's has none).
+    ``times_out_orphans``: the mode's store times deferrals out (``Capabilities``)."""
 
     def __init__(self, store: ReaperStore, transport: Transport, settings: Settings,
-                 local: Local | None = None) -> None:
+                 local: Local | None = None, times_out_orphans: bool = True) -> None:
         self.store = store
         self.transport = transport
         self.settings = settings
         self.local = local
+        self.times_out_orphans = times_out_orphans
         # The reaper's scope: its process's queues; None (a writer's) covers every queue.
         self.queues: list[str] | None = list(settings.queues) or None
         self.unconsumed: list[str] = []
@@ -166,6 +168,8 @@ class Reaper:
         return len(refs)
 
     async def time_out_orphans(self) -> int:
+        if not self.times_out_orphans:
+            return 0  # another component times deferrals out (Airflow's scheduler)
         refs = await self.store.time_out_orphans(
             self.queues, self.settings.max_deferral.total_seconds())
         for queue, n in Counter(r.queue for r in refs).items():

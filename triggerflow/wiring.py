@@ -162,7 +162,8 @@ async def _consume(settings: Settings, mode: Mode[StoreT], store: StoreT,
     transport = make_transport(settings, name=consumer_connection_name(settings.queues))
     async with mode.serving_consumer() as ready:
         consumer = Consumer(settings, store, transport, loader=mode.loader(),
-                            encode=mode.encoder(), warm_up=ready)
+                            encode=mode.encoder(), warm_up=ready,
+                            capabilities=mode.capabilities)
         return await consumer.run(stop)
 
 
@@ -179,7 +180,8 @@ async def _write(settings: Settings, mode: Mode[StoreT], store: StoreT,
     from triggerflow.writer import Writer
 
     transport = make_transport(settings, name="triggerflow-writer")
-    writer = Writer(settings, store, transport, reaper_queues=mode.writer_queues)
+    writer = Writer(settings, store, transport, reaper_queues=mode.writer_queues,
+                    capabilities=mode.capabilities)
     async with mode.serving_writer(store, transport, writer.reaper, stop):
         return await writer.run(stop)
 

@@ -31,6 +31,7 @@ from triggerflow.runner import failure
 from triggerflow.settings import Settings
 from triggerflow.store import (
     Applied,
+    Capabilities,
     EventRefused,
     EventsLocked,
     ProcessKind,
@@ -67,15 +68,18 @@ class Writer:
     messages), ``team_users`` (queue -> the only AMQP user allowed to publish its events).
     ``reaper_queues``: the queues its reaper's sweeps cover, empty for every queue (the mode
     decides: Airflow mode's ``--queue`` names those triggerflow serves during a migration).
+    ``capabilities``: what the mode says its store does beyond the roles (default: native's).
     """
 
     def __init__(self, settings: Settings, store: WriterStore, transport: Transport, *,
-                 reaper_queues: Sequence[str] = ()) -> None:
+                 reaper_queues: Sequence[str] = (),
+                 capabilities: Capabilities | None = None) -> None:
         self.settings = settings
         self.store = store
         self.transport = transport
         scope = settings.model_copy(update={"queues": list(reaper_queues)})
-        self.reaper = Reaper(store, transport, scope)
+        self.reaper = Reaper(store, transport, scope, times_out_orphans=(
+            capabilities or Capabilities()).times_out_orphans)
         # A writer's lease fences nothing (it holds no triggers), so a short one buys nothing,
         # while a writer busy with a burst, or with the reaper sweeps its renewal loop runs,
         # on a loaded host would miss a short one: shown dead by status, health and the

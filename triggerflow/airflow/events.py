@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import asyncpg
 
 from triggerflow.airflow.schema import SCHEMA
+from triggerflow.model import FAIL_METHOD
 
 TASK_END_KINDS = ("success", "failed", "skipped")
 
@@ -99,7 +100,7 @@ WITH event AS (
 ), moved AS (
     UPDATE task_instance ti SET
         state = CASE WHEN live.kind IN ('resume', 'fail') THEN 'scheduled' ELSE live.kind END,
-        next_method = CASE WHEN live.kind = 'fail' THEN '__fail__' ELSE ti.next_method END,
+        next_method = CASE WHEN live.kind = 'fail' THEN '{FAIL_METHOD}' ELSE ti.next_method END,
         next_kwargs = CASE live.kind
             WHEN 'resume' THEN coalesce(ti.next_kwargs, '{{}}'::jsonb)
                                || jsonb_build_object('event', live.body)

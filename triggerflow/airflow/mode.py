@@ -27,17 +27,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import AbstractAsyncContextManager
 from typing import TYPE_CHECKING
 
 import asyncpg
 
+from triggerflow.airflow import cancels
 from triggerflow.airflow.adopt import adopt
 from triggerflow.airflow.store import AirflowStore
 from triggerflow.lifecycle import Tasks
 from triggerflow.reaper import Reaper
 from triggerflow.settings import Settings
-from triggerflow.store import StoreError
+from triggerflow.store import Capabilities, StoreError
 from triggerflow.transport import Transport, TransportError
 
 if TYPE_CHECKING:
@@ -117,6 +119,13 @@ class AirflowMode:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.writer_queues = list(settings.queues)
+        # A task leaving its trigger is signalled (LISTEN on the cancel log); Airflow's
+        # scheduler times deferrals out; a consumer may serve one Airflow team.
+        self.capabilities = Capabilities(cancel_signal=self._watch_cancels,
+                                         times_out_orphans=False, teams=True)
+
+    def _watch_cancels(self, wake: Callable[[], None]) -> AbstractAsyncContextManager[None]:
+        return cancels.watch(self.settings.database_dsn(), wake)
 
     async def connect_store(self, *, max_size: int | None = None,
                             lock_timeout: float | None = None,

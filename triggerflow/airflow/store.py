@@ -15,7 +15,7 @@ Airflow's rows, read as Airflow stores them and written as Airflow's own functio
 * deferral, cancellation and trigger timeouts are Airflow's (API server, scheduler): it
   serves every role but ``DeferralStore`` (``store.roles``), and ``time_out_orphans`` does
   nothing; a task that leaves its trigger is read from the cancel log (``cancels``),
-  promptly (LISTEN).
+  promptly: the mode's ``Capabilities.cancel_signal`` wakes the sweep (LISTEN).
 """
 
 from __future__ import annotations
@@ -25,8 +25,7 @@ import contextlib
 import logging
 import sys
 import time
-from collections.abc import Callable, Sequence
-from contextlib import AbstractAsyncContextManager
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import asyncpg
@@ -264,10 +263,6 @@ class AirflowStore(SqlStore):
                 self.watchers.pop(trigger_id, None)
             ids += gone
         return ids
-
-    def watch_cancels(self, wake: Callable[[], None]) -> AbstractAsyncContextManager[None]:
-        """``wake()`` within milliseconds of a task leaving its trigger (LISTEN)."""
-        return cancels.watch(self.dsn, wake)
 
     async def strike(self, me: int, trigger_id: int, attempt: int, blocked: float,
                      max_blocks: int, queues: Sequence[str]) -> Struck | None:

@@ -168,10 +168,13 @@ def topology_apply(delivery_limit: int, **values: Any) -> None:
 @settings_options(*CONNECTION, *TELEMETRY, *CONSUMER)
 def consume(**values: Any) -> None:
     """Run triggers of one or more team queues (repeat --queue)."""
+    from triggerflow.modes import mode_for
+
     settings = build_settings(values)
     if not settings.queues:
         raise click.UsageError("give at least one --queue (or TRIGGERFLOW_QUEUES)")
-    if settings.airflow_team is not None and not settings.airflow:
+    # Only a mode whose store scopes consumers to a team takes one.
+    if settings.airflow_team is not None and not mode_for(settings).capabilities.teams:
         raise failures.ConfigError("--team (TRIGGERFLOW_AIRFLOW_TEAM) names an Airflow team: "
                                    "it needs --airflow (TRIGGERFLOW_AIRFLOW)")
     _setup_process(settings, "triggerflow-consumer")

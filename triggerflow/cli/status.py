@@ -198,26 +198,26 @@ def register(main: click.Group) -> None:
         consumer refused; rows a live Airflow triggerer holds are served). --ids is native
         mode's (it feeds requeue and unquarantine)."""
         from triggerflow.cli.status_report import collect_status, trigger_ids
+        from triggerflow.modes import mode_for
         from triggerflow.redact import Redactor
 
         settings = build_settings(values)
         redact = Redactor(settings)
-        if ids_in is not None and settings.airflow:
-            raise click.UsageError("--ids lists native mode's triggers (for requeue and "
-                                   "unquarantine, which Airflow mode does not have); drop "
-                                   "--airflow, or --ids")
-        # A failure here (database down, login refused) is the root handler's one line,
+        # A failure reading (database down, login refused) is the root handler's one line,
         # which names the setting to check.
         if ids_in is not None:
-            rows = asyncio.run(trigger_ids(settings, ids_in, list(settings.queues)))
-        else:
-            report = asyncio.run(collect_status(settings))
-        if ids_in is not None:
+            ids_sql = mode_for(settings).status_statements().trigger_ids
+            if ids_sql is None:
+                raise click.UsageError("--ids lists native mode's triggers (for requeue and "
+                                       "unquarantine, which Airflow mode does not have); "
+                                       "drop --airflow, or --ids")
+            rows = asyncio.run(trigger_ids(settings, ids_sql(ids_in), list(settings.queues)))
             if as_json:
                 click.echo(json.dumps({"state": ids_in, "triggers": rows}, indent=2))
             elif rows:
                 click.echo("\n".join(str(r["id"]) for r in rows))
             return
+        report = asyncio.run(collect_status(settings))
         if as_json:
             click.echo(redact(json.dumps(report, default=json_default, indent=2)))
         else:

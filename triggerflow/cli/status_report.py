@@ -320,14 +320,15 @@ def broker_columns(queue: Any, error: str | None) -> dict[str, Any]:
     }
 
 
-async def trigger_ids(settings: Settings, state: str, queues: list[str]) -> list[dict[str, Any]]:
-    """[{id, queue}] of the triggers in ``state`` on ``queues`` (all queues when empty)."""
-    from triggerflow.store.postgres.admin import trigger_ids as statement
+async def trigger_ids(settings: Settings, statement: str,
+                      queues: list[str]) -> list[dict[str, Any]]:
+    """[{id, queue}] of the triggers ``statement`` (the mode's ``StatusStatements.trigger_ids``
+    of a state) lists on ``queues`` (all queues when empty)."""
     from triggerflow.wiring import admin_database
 
     db = await admin_database(settings)
     try:
-        rows: list[Any] = await db.fetch(statement(state), queues or None)
+        rows: list[Any] = await db.fetch(statement, queues or None)
     finally:
         await db.close()
     return [dict(r) for r in rows]

@@ -2,11 +2,12 @@
 
 Every ``cancel_sweep_interval`` the store says which triggers' tasks left them
 (``Store.sweep_cancelled``) and the consumer stops those it runs (``cleanup()`` runs; their
-bookkeeping goes). A store that can also say *when* to look (``PromptCancels``: Airflow
-mode's LISTEN on its cancel log, ``airflow/cancels.py``) wakes the sweep at once, so a
-trigger stops within milliseconds of its task's end instead of within the interval; the
-interval stays as the backstop for a signal lost while reconnecting. Nothing is read while
-nothing is held, so an idle consumer costs no statement here.
+bookkeeping goes). Where the mode's store can also say *when* to look
+(``Capabilities.cancel_signal``: Airflow mode's LISTEN on its cancel log,
+``airflow/cancels.py``), the signal wakes the sweep at once, so a trigger stops within
+milliseconds of its task's end instead of within the interval; the interval stays as the
+backstop for a signal lost while reconnecting. Nothing is read while nothing is held, so an
+idle consumer costs no statement here.
 """
 
 from __future__ import annotations
@@ -16,22 +17,15 @@ import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
-from typing import Protocol, runtime_checkable
 
-from triggerflow.store import ClaimStore, StoreError
+from triggerflow.store import CancelSignal, ClaimStore, StoreError
 
 log = logging.getLogger(__name__)
 
 
-@runtime_checkable
-class PromptCancels(Protocol):
-    """A store that signals cancellations: ``wake()`` is called soon after one happens."""
-
-    def watch_cancels(self, wake: Callable[[], None]) -> AbstractAsyncContextManager[None]: ...
-
-
 class CancelSweep:
-    """Runs ``sweep`` every ``interval`` seconds, and at once when the store signals."""
+    """Runs ``sweep`` every ``interval`` seconds, and at once when ``watch`` (the mode's
+    ``Capabilities.cancel_signal``, if any) signals."""
 
     def __init__(
         self,
@@ -40,8 +34,10 @@ class CancelSweep:
         held: Callable[[], bool],
         cancel: Callable[[list[int]], Awaitable[int]],
         interval: float,
+        watch: CancelSignal | None = None,
     ) -> None:
         self.store = store
+        self.watch = watch
         self.me = me
         self.held = held
         self.cancel = cancel
@@ -50,10 +46,7 @@ class CancelSweep:
 
     async def run(self) -> None:
         watching: AbstractAsyncContextManager[None] = (
-            self.store.watch_cancels(self.signal.set)
-            if isinstance(self.store, PromptCancels)
-            else contextlib.nullcontext()
-        )
+            contextlib.nullcontext() if self.watch is None else self.watch(self.signal.set))
         async with watching:
             while True:
                 with contextlib.suppress(TimeoutError):

@@ -38,7 +38,7 @@ from triggerflow.loader import Loader, TriggerLoader
 from triggerflow.reaper import Reaper
 from triggerflow.runner import Held, TriggerRunner
 from triggerflow.settings import Settings
-from triggerflow.store import ConsumerStore, ProcessKind, StoreError, TriggerRef
+from triggerflow.store import Capabilities, ConsumerStore, ProcessKind, StoreError, TriggerRef
 from triggerflow.telemetry import get_metrics
 from triggerflow.transport import Delivery, Transport
 from triggerflow.transport.subscriptions import Subscriptions
@@ -61,17 +61,20 @@ class Consumer:
     ``warm_up``: set once what triggers need beside the consumer answers (Airflow mode's
     runtime child takes seconds to start); until then, if a subscribed peer serves our
     queues at our first renewal, we take nothing and it runs them. None: nothing to wait for.
+    ``capabilities``: what the mode says its store does beyond the roles (default: native's).
     Raises ValueError when ``settings.queues`` is empty.
     """
 
     def __init__(self, settings: Settings, store: ConsumerStore, transport: Transport, *,
                  loader: Loader | None = None, encode: EncodeFn | None = None,
                  clock: Callable[[], float] = time.time,
-                 warm_up: asyncio.Event | None = None) -> None:
+                 warm_up: asyncio.Event | None = None,
+                 capabilities: Capabilities | None = None) -> None:
         if not settings.queues:
             raise ValueError("a consumer needs at least one queue")
         self.settings = settings
         self.store = store
+        self.capabilities = capabilities or Capabilities()
         self.transport = transport
         self.queues = list(settings.queues)
         # Airflow mode passes its own (Airflow's classes, timers and serialisers).
@@ -100,7 +103,8 @@ class Consumer:
                                    self._republish)
         self.starter = Starter(store, self.lease, self.loader, self.runner, self.outcomes,
                                self.admission, self.background, self._republish)
-        self.reaper = Reaper(store, transport, settings, local=self.admission)
+        self.reaper = Reaper(store, transport, settings, local=self.admission,
+                             times_out_orphans=self.capabilities.times_out_orphans)
         self._reap_now = asyncio.Event()
         self._settled_at = 0.0  # monotonic: no rebalancing shed before it
         # A peer gone: the wake-ups a shed handed it are ours to claim again at once, not
@@ -440,4 +444,5 @@ class Consumer:
         signals it, else every ``cancel_sweep_interval``)."""
         await CancelSweep(self.store, lambda: self.me, lambda: bool(self.runner.running),
                           lambda ids: self.cancel(ids, cause="sweep"),
-                          self.settings.cancel_sweep_interval.total_seconds()).run()
+                          self.settings.cancel_sweep_interval.total_seconds(),
+                          self.capabilities.cancel_signal).run()

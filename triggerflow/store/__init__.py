@@ -29,6 +29,8 @@ from triggerflow.store.interface import (
     TriggerSpec,
 )
 from triggerflow.store.roles import (
+    CancelSignal,
+    Capabilities,
     ClaimStore,
     Closable,
     ConsumerStore,
@@ -47,7 +49,9 @@ from triggerflow.store.roles import (
 __all__ = [
     "MAX_BLOCKS",
     "Applied",
+    "CancelSignal",
     "Cancelled",
+    "Capabilities",
     "ClaimResult",
     "ClaimStore",
     "Closable",

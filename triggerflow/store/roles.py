@@ -25,6 +25,10 @@ writer process), :class:`ServingStore` (both, and ``close``: what a :class:`~tri
 modes.Mode` connects), :class:`SdkStore` (deferrals and ``close``) and :class:`Store` (every
 role: the native and in-memory stores).
 
+Beyond the roles, what one mode's store can do and another's cannot is not found out by
+probing the store: the mode says it (:class:`Capabilities`, ``Mode.capabilities``) and the
+composition root hands that to the loops beside the store.
+
 Contract shared by every implementation (``tests/contract`` runs it on each):
 
 * **Fencing by attempt.** A claim raises a trigger's ``attempt``; an event applies only when
@@ -38,7 +42,9 @@ Errors and values: :mod:`triggerflow.store.interface`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass
 from typing import Protocol
 
 from triggerflow.store.interface import (
@@ -293,3 +299,26 @@ class SdkStore(DeferralStore, Closable, Protocol):
 
 class Store(ServingStore, DeferralStore, Protocol):
     """Every role: the native and in-memory stores."""
+
+
+# Given ``wake``: an async context in which ``wake()`` is called soon after a task leaves its
+# trigger (Airflow mode: LISTEN on its cancel log).
+CancelSignal = Callable[[Callable[[], None]], AbstractAsyncContextManager[None]]
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a mode's store does beyond the roles every store serves; the defaults are native
+    mode's.
+
+    ``cancel_signal``: the consumer's cancel sweep runs as soon as it fires, its interval
+    staying the backstop for a signal lost while reconnecting; None, the sweep only polls.
+    ``times_out_orphans``: ``ReaperStore.time_out_orphans`` fails tasks deferred past
+    ``max_deferral`` whose trigger ran nowhere; False where someone else times deferrals out
+    (Airflow's scheduler): the reapers skip that sweep.
+    ``teams``: a consumer can be scoped to one Airflow team (``airflow_team``).
+    """
+
+    cancel_signal: CancelSignal | None = None
+    times_out_orphans: bool = True
+    teams: bool = False

@@ -4,7 +4,7 @@
 from triggerflow.airflow.nontask import LIVE
 from triggerflow.airflow.schema import SCHEMA
 from triggerflow.airflow.teams import consumer_serves, in_team
-from triggerflow.model import FailureReason
+from triggerflow.model import FAIL_METHOD, FailureReason
 from triggerflow.store.interface import SUSPECT_FAILURES
 
 
@@ -13,7 +13,7 @@ def fail_quarantined(rows: str) -> str:
     ``quarantined``, ``last_error``), the way Airflow fails a trigger
     (``Trigger.submit_failure``: '__fail__', 'Trigger failure', the reason as its traceback)."""
     return f"""
-    UPDATE task_instance ti SET state = 'scheduled', next_method = '__fail__',
+    UPDATE task_instance ti SET state = 'scheduled', next_method = '{FAIL_METHOD}',
         next_kwargs = jsonb_build_object(
             'error', '{FailureReason.TRIGGER_FAILURE}',
             'traceback', jsonb_build_array(format('triggerflow quarantined this trigger: %s',
@@ -164,7 +164,7 @@ WITH gone AS (
             AND {consumer_serves("c", "t")})
     RETURNING s.trigger_id, t.classpath, coalesce(t.queue, $3) AS queue, s.last_error
 ), failed AS (
-    UPDATE task_instance ti SET state = 'scheduled', next_method = '__fail__',
+    UPDATE task_instance ti SET state = 'scheduled', next_method = '{FAIL_METHOD}',
         next_kwargs = jsonb_build_object(
             'error', '{FailureReason.TRIGGER_FAILURE}',
             'traceback', jsonb_build_array(format(

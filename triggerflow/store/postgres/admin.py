@@ -4,8 +4,11 @@ the reference host (the demo's resumer). Not on any hot path of the loops.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+from triggerflow.model import FAIL_METHOD
 
 
 @dataclass(frozen=True)
@@ -18,7 +21,9 @@ class StatusStatements:
     ``unserved`` (a mode whose rows can wait where no consumer looks: Airflow's), with
     ``unserved_args``, lists rows nothing serves (``queue``, ``reason``, ``id``, ``kind``,
     ``classpath``, ``total``: the first few of each queue and reason). ``health``: this
-    host's process rows, newest first (``$1`` host, ``$2`` kind or 'any', ``$3`` pid or NULL)."""
+    host's process rows, newest first (``$1`` host, ``$2`` kind or 'any', ``$3`` pid or NULL).
+    ``trigger_ids``: state -> the statement listing ids in it (``status --ids``, which feeds
+    requeue and unquarantine); None in a mode that has neither."""
 
     consumers: str
     writers: str
@@ -30,6 +35,7 @@ class StatusStatements:
     quarantined_args: tuple[Any, ...] = ()
     unserved: str | None = None
     unserved_args: tuple[Any, ...] = ()
+    trigger_ids: Callable[[str], str] | None = None
 
 
 STATUS_CONSUMERS = """
@@ -96,10 +102,10 @@ WHERE t.id = ANY($1::bigint[])
 # again with its original continuation and timeout, and the trigger re-sent. If the host has
 # already handled that failure (the task left 'scheduled'/'__fail__'), the trigger is dropped
 # instead: re-running it could no longer resume anything.
-UNQUARANTINE_SAFE = """
+UNQUARANTINE_SAFE = f"""
 WITH target AS (
     SELECT t.id, t.queue, t.timeout_at, ti.id AS ti_id,
-           coalesce(ti.state = 'scheduled' AND ti.next_method = '__fail__'
+           coalesce(ti.state = 'scheduled' AND ti.next_method = '{FAIL_METHOD}'
                     AND ti.next_kwargs ? 'deferred_next_method', false) AS resumable
     FROM trigger t LEFT JOIN task_instance ti ON ti.trigger_id = t.id
     WHERE t.id = ANY($1::bigint[]) AND t.quarantined_at IS NOT NULL
@@ -111,11 +117,11 @@ WITH target AS (
            trigger_timeout = target.timeout_at, updated_at = clock_timestamp()
     FROM target
     WHERE ti.id = target.ti_id AND target.resumable
-      AND ti.state = 'scheduled' AND ti.next_method = '__fail__'
+      AND ti.state = 'scheduled' AND ti.next_method = '{FAIL_METHOD}'
     RETURNING target.id
 ), freed AS (
-    UPDATE trigger t SET quarantined_at = NULL, failures = 0, rejected_by = '{}',
-           blocked_attempts = '{}',
+    UPDATE trigger t SET quarantined_at = NULL, failures = 0, rejected_by = '{{}}',
+           blocked_attempts = '{{}}',
            owner_id = NULL, dispatched_at = now(), last_error = NULL
     FROM target WHERE t.id = target.id AND target.resumable
     RETURNING t.id, t.queue
@@ -224,4 +230,4 @@ WHERE ti.id = f.id AND ti.state = 'running'
 
 
 NATIVE_STATUS = StatusStatements(STATUS_CONSUMERS, STATUS_WRITERS, STATUS_QUEUES, STATUS_OVERDUE,
-                                 QUARANTINED, HEALTH)
+                                 QUARANTINED, HEALTH, trigger_ids=trigger_ids)

@@ -1,7 +1,7 @@
 """A consumer's statements (:class:`~triggerflow.store.ClaimStore`,
 :class:`~triggerflow.store.ProbationStore`): claim, hand back, probation, strikes."""
 
-from triggerflow.model import FailureReason
+from triggerflow.model import FAIL_METHOD, FailureReason
 from triggerflow.store.interface import SUSPECT_FAILURES
 
 _CLAIM_COLUMNS = """
@@ -119,7 +119,7 @@ WITH gone AS (
             AND NOT (c.id = ANY(t.rejected_by)))
     RETURNING t.id, t.classpath, t.queue, t.last_error
 ), failed AS (
-    UPDATE task_instance ti SET state = 'scheduled', next_method = '__fail__',
+    UPDATE task_instance ti SET state = 'scheduled', next_method = '{FAIL_METHOD}',
         next_kwargs = jsonb_build_object(
             'error', '{FailureReason.TRIGGER_UNLOADABLE}',
             'message', format('trigger %s (%s): no live consumer of queue %s can load it (%s)',
@@ -195,7 +195,7 @@ WITH target AS (
     RETURNING t.id, t.queue, t.classpath, cardinality(t.blocked_attempts) AS blocks,
               t.quarantined_at, g.release
 ), failed AS (
-    UPDATE task_instance ti SET state = 'scheduled', next_method = '__fail__',
+    UPDATE task_instance ti SET state = 'scheduled', next_method = '{FAIL_METHOD}',
         next_kwargs = jsonb_build_object(
             'error', '{FailureReason.TRIGGER_QUARANTINED}',
             'message', format('trigger %s (%s) was quarantined after it blocked the event loop '

@@ -1,7 +1,7 @@
 """The reaper's statements (:class:`~triggerflow.store.ReaperStore`): dead owners' triggers,
 lost wake-ups, orphaned tasks, waiting queues."""
 
-from triggerflow.model import FailureReason
+from triggerflow.model import FAIL_METHOD, FailureReason
 from triggerflow.store.interface import ORPHAN_SLACK, SUSPECT_FAILURES
 
 
@@ -112,7 +112,7 @@ WITH dead AS (
       AND t.id = ANY(ARRAY(SELECT id FROM blamed))
     RETURNING t.*, f.take, f.block
 ), failed AS (
-    UPDATE task_instance ti SET state = 'scheduled', next_method = '__fail__',
+    UPDATE task_instance ti SET state = 'scheduled', next_method = '{FAIL_METHOD}',
         next_kwargs = jsonb_build_object(
             'error', '{FailureReason.TRIGGER_QUARANTINED}',
             'message', CASE WHEN f.block
@@ -185,7 +185,7 @@ WITH due AS (
     LIMIT 10000
     FOR UPDATE OF ti SKIP LOCKED
 ), failed AS (
-    UPDATE task_instance ti SET state = 'scheduled', next_method = '__fail__',
+    UPDATE task_instance ti SET state = 'scheduled', next_method = '{FAIL_METHOD}',
         next_kwargs = jsonb_build_object('error', '{FailureReason.TRIGGER_TIMEOUT}',
                                          'message', 'deferral timed out with no trigger running'),
         trigger_id = NULL, trigger_timeout = NULL, updated_at = clock_timestamp()

@@ -1,8 +1,10 @@
 """The writer's statements (:class:`~triggerflow.store.EventStore`): apply events, fenced."""
 
+from triggerflow.model import FAIL_METHOD
+
 # One statement per batch: delete the named triggers, only at the current attempt and of
 # the event's own queue (fencing), and move each task that is still deferred on one of them.
-APPLY_EVENTS = """
+APPLY_EVENTS = f"""
 WITH ev AS (
     SELECT * FROM unnest($1::bigint[], $2::int[], $3::text[], $4::text[], $5::text[],
                          $6::float8[])
@@ -27,9 +29,9 @@ WITH ev AS (
     UPDATE task_instance ti SET
         state = CASE WHEN e.kind IN ('resume', 'fail') THEN 'scheduled' ELSE e.kind END,
         next_method = CASE e.kind WHEN 'resume' THEN ti.next_method
-                                  WHEN 'fail' THEN '__fail__' END,
+                                  WHEN 'fail' THEN '{FAIL_METHOD}' END,
         next_kwargs = CASE e.kind
-            WHEN 'resume' THEN coalesce(ti.next_kwargs, '{}'::jsonb)
+            WHEN 'resume' THEN coalesce(ti.next_kwargs, '{{}}'::jsonb)
                                || jsonb_build_object('event', e.payload::jsonb)
             WHEN 'fail' THEN e.payload::jsonb END,
         result = CASE WHEN e.kind IN ('success', 'failed', 'skipped') THEN e.payload::jsonb
