@@ -18,10 +18,11 @@ million, promote, nodeloss, zone (default: all). Bursts print their all-applied 
 ``reference``, the bare path measured in the same run (``reference.py``). ``airflow``, on
 its own, runs the Airflow-mode bench instead (``airflow.py``: a real Airflow 3.3.2 stack;
 needs the ``triggerflow[airflow]`` extra); ``airflow-million``, on its own, one consumer
-holding 1,000,000 waiting Airflow triggers (``airflow_million.py``); ``chaos``, on its own, a
-randomized fault schedule with a checker of the whole history (``chaos.py``). ``--quick``
-runs tiny sizes (a smoke test). Raw results go to ``bench-results/``; a full run also
-replaces each scenario's entry in ``bench/results.json`` and rewrites
+holding 1,000,000 waiting Airflow triggers (``airflow_million.py``); ``airflow-waits``, on
+its own, how late tasks resume after short waits under each server (``airflow_waits.py``);
+``chaos``, on its own, a randomized fault schedule with a checker of the whole history
+(``chaos.py``). ``--quick`` runs tiny sizes (a smoke test). Raw results go to
+``bench-results/``; a full run also replaces each scenario's entry in ``bench/results.json`` and rewrites
 ``docs/performance-results.md`` from it (``results.py``), and plots the burst latency
 distributions to ``docs/img/burst-latency.png``.
 
@@ -77,6 +78,10 @@ def run_bench(settings: Settings, scenarios: list[str], quick: bool, *,
         from bench.airflow_million import run_airflow_million
 
         return run_airflow_million(settings, quick)
+    if scenarios == ["airflow-waits"]:  # short waits on a real Airflow stack, both servers
+        from bench.airflow_waits import run_airflow_waits
+
+        return run_airflow_waits(settings, quick)
     unknown = [s for s in scenarios if s not in SCENARIOS]
     console = Console(record=True, log_path=False,
                       width=None if sys.stdout.isatty() else 150)

@@ -262,4 +262,4 @@ def test_the_results_name_only_scenarios_the_bench_runs() -> None:
     from bench.common import SCENARIOS
 
     assert set(json.loads(RESULTS.read_text())) <= {*SCENARIOS, "airflow", "airflow-million",
-                                                    "chaos"}
+                                                    "airflow-waits", "chaos"}
