@@ -1,14 +1,15 @@
 """``triggerflow bench chaos --seed S --minutes M``: a randomized fault schedule over a
 randomized workload, then a checker of the whole history (``chaos_check.py``).
 
-Services of its own: a PostgreSQL cluster started for the run (``tests/services.py``; the
+Services of its own: a PostgreSQL cluster started for the run (``testbed/services.py``; the
 nemesis restarts it) and a namespace of its own on the given broker. Two team queues with
 two ``consume`` each and two ``writer``s, with shipped defaults. For ``M`` minutes the
 workload (``chaos_plan.py``, from the seed) defers timers, coroutine triggers and task-end
 triggers at random instants, cancels some and defers some tasks again, while the nemesis
 (``chaos_faults.py``) kills, stops and terminates processes, restarts PostgreSQL, closes
-connections from the server and delivers events again. Every operation and fault is
-recorded; every change of a task row is recorded by a row trigger of the run's own
+connections from the server, delivers events again, skews a consumer's clock and sends bad
+input (``chaos_bad.py``: recorded apart, judged as docs/security.md says). Every operation
+and fault is recorded; every change of a task row is recorded by a row trigger of the run's own
 (``chaos_audit``). Then the faults stop, every process runs again, and the run drains: until
 no task is deferred, no trigger row is left and the queues are empty (or the drain times out).
 The history is written to ``bench-results/chaos-<seed>-<time>.json`` and checked; the last
@@ -39,7 +40,7 @@ if TYPE_CHECKING:
 
     from bench.chaos_faults import EventTap, Fleet
     from bench.harness import Bench
-    from tests.services import PostgresCluster
+    from testbed.services import PostgresCluster
     from triggerflow.settings import Settings
 
 DRAIN = 90.0  # seconds past the last due moment the drain may take at most
@@ -74,16 +75,12 @@ CREATE TRIGGER chaos_audit AFTER INSERT OR UPDATE ON task_instance
 def run_chaos(settings: Settings, *, seed: int | None, minutes: float, mode: str) -> int:
     from rich.console import Console
 
-    if mode != "native":
-        print("bench chaos: only --mode native is built so far (Airflow mode is not)",
-              file=sys.stderr)
-        return 2
     seed = random.randrange(1, 10**6) if seed is None else seed
     console = Console(log_path=False, width=None if sys.stdout.isatty() else 150)
     plan = make_plan(seed, minutes * 60)
     console.log(f"chaos seed={seed} minutes={minutes:g}: {len(plan.ops)} operations, "
                 f"{len(plan.faults)} faults planned (schedule {plan.digest()})")
-    report = asyncio.run(_run(settings, plan, console))
+    report = asyncio.run(_run(settings, plan, console, mode))
     print("\n".join(report.lines()), flush=True)
     return 0 if report.ok else 1
 
@@ -94,7 +91,7 @@ async def _with_cluster(settings: Settings, plan: Plan, console: Console,
 
     from bench.common import FULL
     from bench.harness import Bench
-    from tests.services import BASE, FAST_PG, PostgresCluster
+    from testbed.services import BASE, FAST_PG, PostgresCluster
 
     BASE.mkdir(parents=True, exist_ok=True)
     with contextlib.suppress(PermissionError):
@@ -120,7 +117,7 @@ async def _with_cluster(settings: Settings, plan: Plan, console: Console,
         shutil.rmtree(root, ignore_errors=True)
 
 
-async def _run(settings: Settings, plan: Plan, console: Console) -> Report:
+async def _run(settings: Settings, plan: Plan, console: Console, mode: str) -> Report:
     import logging
 
     for noisy in ("aiormq", "aio_pika", "asyncpg", "triggerflow"):  # restarts are the point
@@ -128,13 +125,19 @@ async def _run(settings: Settings, plan: Plan, console: Console) -> Report:
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     out = Path("bench-results") / f"logs-chaos-{stamp}"
     out.mkdir(parents=True, exist_ok=True)
-    history = await _with_cluster(settings, plan, console, out)
+    if mode == "airflow":  # the same schedule against an Airflow metadata database
+        from bench.chaos_airflow import airflow_history
+
+        history = await airflow_history(settings, plan, console, out)
+    else:
+        history = await _with_cluster(settings, plan, console, out)
     path = Path("bench-results") / f"chaos-{plan.seed}-{stamp}.json"
     path.write_text(json.dumps(history, indent=None, default=str))
     report = check(history)
     console.log(f"history: {path} (check it again: python -m bench.chaos_check {path}); "
                 f"process logs in {out}")
-    if plan.seconds >= 600:  # a long run is a result; a short one judges nothing
+    if plan.seconds >= 600 and mode == "native":  # a long run is a result; a short
+        # one judges nothing (Airflow mode's has no table of its own yet)
         _record(plan, report)
     return report
 
@@ -280,14 +283,18 @@ async def _retry(b: Bench, query: Any, within: float = 60.0) -> Any:
 
 
 async def _drain(b: Bench, queues: dict[str, str], work: Workload) -> bool:
-    """Until nothing is deferred, no trigger row is left and the queues are empty."""
+    """Until nothing is deferred, no trigger row is left (but a quarantined one) and the
+    queues are empty (the dead-letter queue is the checker's to judge: bad input lands there)."""
+    assert b.broker is not None
     last_due = max((d["due"] for d in work.deferrals.values()), default=time.time())
     deadline = max(time.time(), last_due) + DRAIN
     while time.time() < deadline:
         busy = await _retry(b, lambda db: db.fetchval(
             "SELECT (SELECT count(*) FROM task_instance WHERE state = 'deferred') "
-            "+ (SELECT count(*) FROM trigger)"))
-        if busy == 0 and sum((await _messages(b, queues)).values()) == 0:
+            "+ (SELECT count(*) FROM trigger WHERE quarantined_at IS NULL)"))
+        waiting = await _messages(b, queues)
+        waiting.pop(b.broker.topology.dead_queue)
+        if busy == 0 and sum(waiting.values()) == 0:
             return True
         await asyncio.sleep(1.0)
     return False
@@ -305,7 +312,8 @@ async def _messages(b: Bench, queues: dict[str, str]) -> dict[str, int]:
 
 async def _final(b: Bench, queues: dict[str, str]) -> dict[str, Any]:
     triggers = await _retry(b, lambda db: db.fetch(
-        "SELECT id, queue, owner_id, attempt, classpath FROM trigger ORDER BY id"))
+        "SELECT id, queue, owner_id, attempt, classpath, "
+        "quarantined_at IS NOT NULL AS quarantined FROM trigger ORDER BY id"))
     deferred = await _retry(b, lambda db: db.fetch(
         "SELECT task_id, queue, next_kwargs->>'d' AS d, trigger_id FROM task_instance "
         "WHERE state = 'deferred'"))
@@ -313,7 +321,7 @@ async def _final(b: Bench, queues: dict[str, str]) -> dict[str, Any]:
             "messages": await _messages(b, queues), "dead_letters": await _dead_letters(b)}
 
 
-async def _dead_letters(b: Bench, most: int = 50) -> list[dict[str, Any]]:
+async def _dead_letters(b: Bench, most: int = 2000) -> list[dict[str, Any]]:
     """What the dead-letter queue holds: who put each there and why (the broker's
     ``x-death`` for a delivery limit, triggerflow's reason header for a refusal)."""
     from triggerflow.wire import HEADER_REASON

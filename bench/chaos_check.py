@@ -14,7 +14,13 @@ Rules, per deferral that reached the database:
   stale attempt's) is ``stale``;
 - applied at most ``BASE_LATE`` seconds after it was due, or, when a fault overlapped its
   wait, at most ``BOUND[kind]`` seconds after that fault ended (``late_over`` otherwise);
+- nothing applied before the moment it was due (``early``: a clock trusted while off);
 - after the drain no trigger row and no message is left behind.
+
+Bad input (``chaos_bad.py``) is recorded apart, so the counts above are about innocent work;
+each piece must end as docs/security.md says (dead-lettered with its reason, refused by the
+broker, ignored, or its task failed with its reason, a loop blocker quarantined), and its
+dead letters and the quarantined blockers' rows are not "left behind".
 
 ``python -m bench.chaos_check HISTORY.json`` checks a saved history again (the bench writes
 one per run under ``bench-results/``).
@@ -45,7 +51,13 @@ BOUND: dict[str, float] = {
     "pg_restart": 30.0,  # reconnect; a wake-up lost meanwhile is re-sent after the grace
     "pg_terminate": 30.0,  # a claim whose reply was cut off is re-sent after the grace
     "replay": 5.0,  # duplicates change nothing
+    "consumer_skew": 10.0,  # the skewed one runs nothing and hands its triggers to peers
+    "bad_message": 5.0,  # refused unread, or matches no row it may change
+    # after the last of its bad triggers ended: a loop blocker stalls its consumer 1.6 s per
+    # run (three runs to quarantine), whichever consumer takes it over in turn
+    "bad_trigger": 15.0,
 }
+EARLY = 0.1  # seconds: an event applied this much before its moment fired early
 
 
 @dataclass
@@ -76,11 +88,15 @@ class Report:
     left_messages: int
     problems: list[str]
     exits: int = 0  # processes that exited with no fault of the nemesis (restarted)
+    early: int = 0  # applied before the moment it was due (a clock trusted when off)
+    bad_sent: int = 0  # bad inputs that reached the broker or the database
+    bad_refused: int = 0  # ... and were refused, dead-lettered or quarantined as documented
+    bad_by_variant: dict[str, int] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
         return not (self.lost or self.twice or self.stale or self.left_triggers
-                    or self.left_messages)
+                    or self.left_messages or self.early or self.bad_sent != self.bad_refused)
 
     def lines(self) -> list[str]:
         kinds = ", ".join(f"{k} {n}" for k, n in sorted(self.faults_by_kind.items())) or "none"
@@ -90,7 +106,11 @@ class Report:
                f"(documented), {self.lost} lost",
                f"left after the drain: {self.left_triggers} trigger rows, "
                f"{self.left_messages} messages; {self.late_over} applied later than their "
-               f"bound (base {BASE_LATE:g} s)"]
+               f"bound (base {BASE_LATE:g} s), {self.early} earlier than due"]
+        if self.bad_sent:
+            variants = ", ".join(f"{k} {n}" for k, n in sorted(self.bad_by_variant.items()))
+            out.insert(1, f"bad input: {self.bad_sent} sent, {self.bad_refused} refused, "
+                          f"dead-lettered or quarantined as documented ({variants})")
         out += [f"  {p}" for p in self.problems[:30]]
         if len(self.problems) > 30:
             out.append(f"  ... and {len(self.problems) - 30} more")
@@ -189,6 +209,8 @@ def _endings(outcomes: dict[str, Outcome], deferrals: dict[str, dict[str, Any]],
                               "this deferral's")
         o.late = row["applied"] - dfr["due"]
         o.deadline = _deadline(dfr, row["applied"], faults)
+        if o.late < -EARLY:
+            o.problems.append(f"early: applied {-o.late:.2f}s before its moment")
     return stale
 
 
@@ -204,10 +226,82 @@ def _cancels_contradicted(outcomes: dict[str, Outcome], cancels: list[dict[str, 
     return n
 
 
+def _bad_inputs(faults: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{**i, "kind": f["kind"]} for f in faults if f["kind"].startswith("bad_")
+            for i in f.get("inputs", [])]
+
+
+def _bad_endings(audit: list[dict[str, Any]], tokens: set[str]) -> dict[str, list[dict[str, Any]]]:
+    """The changes of task rows that ended each bad deferral (by its token)."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    for row in audit:
+        old = row.get("old_d")
+        if row["op"] == "U" and old in tokens and _ending(row, old) is not None:
+            out.setdefault(old, []).append(row)
+    return out
+
+
+def _end_bad_faults(faults: list[dict[str, Any]], ended: dict[str, list[dict[str, Any]]]
+                    ) -> list[dict[str, Any]]:
+    """A ``bad_trigger`` fault lasts until the last of its triggers ended (a loop blocker
+    stalls consumers until it is quarantined), not until its deferrals returned."""
+    out = []
+    for f in faults:
+        if f["kind"] == "bad_trigger":
+            ends = [r["at"] for i in f.get("inputs", [])
+                    for r in ended.get(i["token"], [])]
+            f = {**f, "end": max([f["end"], *ends])}
+        out.append(f)
+    return out
+
+
+def _judge_bad(bad: list[dict[str, Any]], ended: dict[str, list[dict[str, Any]]],
+               audit: list[dict[str, Any]], dead: list[dict[str, Any]],
+               problems: list[str]) -> tuple[int, int, set[int]]:
+    """Each bad input against what ``docs/security.md`` says becomes of it: (sent, refused
+    as documented, indexes of the dead letters it explains)."""
+    applied = {json.dumps(r.get("event"), sort_keys=True) for r in audit if _is_apply(r)}
+    explained: set[int] = set()
+    sent = refused = 0
+    for i in bad:
+        tok, expect = i["token"], i["expect"]
+        rows = ended.get(tok, [])
+        if not (i["sent"] or "refused" in i or rows):
+            continue  # never left the bench (an SDK call failed under another fault)
+        sent += 1
+        letters = [n for n, x in enumerate(dead) if tok in x["body"]]
+        explained.update(letters)
+        if i["kind"] == "bad_trigger":
+            got = [f"{r['new_state']}/{r.get('next_method')}/{r.get('error')}" for r in rows]
+            good = len(rows) == 1 and rows[0]["next_method"] == "__fail__" \
+                and rows[0].get("error") == expect
+        elif json.dumps({"d": tok}, sort_keys=True) in applied:
+            got, good = ["its event was applied to a task"], False
+        elif expect == "ignored":
+            got, good = [dead[n]["reason"] for n in letters], not letters
+        elif expect == "broker":
+            got = [i.get("refused", "published")] + [dead[n]["reason"] for n in letters]
+            good = "max size" in i.get("refused", "") or any(
+                "bytes, over the" in dead[n]["reason"] for n in letters)
+        else:
+            # at least once: a writer killed between its dead letter and its ack gets the
+            # message again and files it again, with the same reason
+            got = [dead[n]["reason"] for n in letters]
+            good = bool(letters) and all(expect in dead[n]["reason"] for n in letters)
+        if good:
+            refused += 1
+        else:
+            problems.append(f"bad input {tok} ({i['variant']}, {i['queue']}): expected "
+                            f"{expect!r}, got {got or 'nothing'}")
+    return sent, refused, explained
+
+
 def check(history: dict[str, Any]) -> Report:
     deferrals: dict[str, dict[str, Any]] = {x["d"]: x for x in history["deferrals"]}
-    faults = history["faults"]
     audit = sorted(history["audit"], key=lambda r: r["seq"])
+    bad = _bad_inputs(history["faults"])
+    ended = _bad_endings(audit, {i["token"] for i in bad})
+    faults = _end_bad_faults(history["faults"], ended)
     outcomes = _outcomes(deferrals, audit)
     stale = _endings(outcomes, deferrals, audit, faults)
     twice = _cancels_contradicted(outcomes, history.get("cancels", []))
@@ -215,7 +309,9 @@ def check(history: dict[str, Any]) -> Report:
     lost = late_over = 0
     late_max = 0.0
     problems: list[str] = []
+    early = 0
     for d, o in outcomes.items():
+        early += any(p.startswith("early") for p in o.problems)
         if not o.endings:
             lost += 1
             o.problems.append("lost: never applied, cancelled, superseded or failed")
@@ -233,20 +329,29 @@ def check(history: dict[str, Any]) -> Report:
         problems += [f"{d} ({deferrals[d]['kind']}, {deferrals[d]['queue']}): {p}"
                      for p in o.problems]
     final = history.get("final", {})
-    left_triggers = len(final.get("triggers", []))
-    left_messages = sum(final.get("messages", {}).values())
+    dead = final.get("dead_letters", [])
+    bad_sent, bad_refused, explained = _judge_bad(bad, ended, audit, dead, problems)
+    # a quarantined loop blocker's row stays for `unquarantine`: documented, not left over
+    quarantined = {i["trigger_id"] for i in bad if i["variant"] == "block"}
+    left = [t for t in final.get("triggers", [])
+            if not (t.get("quarantined") and t["id"] in quarantined)]
+    left_triggers = len(left)
+    left_messages = sum(final.get("messages", {}).values()) - len(explained)
     if left_triggers:
-        problems.append(f"trigger rows left after the drain: {final['triggers'][:10]}")
+        problems.append(f"trigger rows left after the drain: {left[:10]}")
     if left_messages:
-        problems.append(f"messages left after the drain: {final['messages']}")
-    problems += [f"dead letter: {x}" for x in final.get("dead_letters", [])[:10]]
+        problems.append(f"messages left after the drain: {final['messages']} "
+                        f"({len(explained)} dead letters of bad input)")
+    problems += [f"dead letter: {x}" for n, x in enumerate(dead) if n not in explained][:10]
     by_kind: Counter[str] = Counter(f["kind"] for f in faults if f.get("happened"))
+    variants: Counter[str] = Counter(i["variant"] for i in bad if i["sent"] or "refused" in i)
     return Report(
         seed=history["seed"], faults=sum(by_kind.values()), faults_by_kind=dict(by_kind),
         deferred=len(outcomes), applied=counts["applied"], cancelled=counts["cancelled"],
         superseded=counts["superseded"], failed=counts["failed"], lost=lost, twice=twice,
         stale=stale, late_max=late_max, late_over=late_over, left_triggers=left_triggers,
-        left_messages=left_messages, problems=problems, exits=len(history.get("exits", [])))
+        left_messages=left_messages, problems=problems, exits=len(history.get("exits", [])),
+        early=early, bad_sent=bad_sent, bad_refused=bad_refused, bad_by_variant=dict(variants))
 
 
 def main(argv: list[str]) -> int:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import os
 import random
 import signal
 import time
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from bench.chaos_bad import BAD_HEADER, bad_messages, bad_triggers
 from bench.chaos_plan import SLOTS, Fault
 
 if TYPE_CHECKING:
@@ -22,7 +24,7 @@ if TYPE_CHECKING:
 
     from bench.common import Proc
     from bench.harness import Bench
-    from tests.services import PostgresCluster
+    from testbed.services import PostgresCluster
 
 
 @dataclass
@@ -55,12 +57,32 @@ class Fleet:
             queue = self.queues[name[0]] if name[0] != "w" else None
             self.slots[name] = Slot(name, queue)
 
-    def start(self, slot: Slot) -> None:
+    def start(self, slot: Slot, skew: float = 0.0) -> None:
         if slot.queue is None:
             slot.proc = self.b.start("writer")
+        elif skew:
+            slot.proc = self._start_skewed(slot.queue, skew)
         else:
             slot.proc = self.b.start("consume", "--queue", slot.queue)
         slot.pids.append(slot.proc.pid)
+
+    def _start_skewed(self, queue: str, skew: float) -> Proc:
+        """A consumer whose ``time.time`` is ``skew`` s off, by a ``sitecustomize`` first on
+        its path (as ``tests/test_clock_skew.py``): the machine's clock stays."""
+        from bench.common import Proc
+
+        site = self.b.out / f"skew{skew:+.1f}"
+        site.mkdir(exist_ok=True)
+        (site / "sitecustomize.py").write_text(
+            f"import time\n\n_real = time.time\ntime.time = lambda: _real() + {skew!r}\n")
+        env = self.b.env("consumer")
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(site), env.get("PYTHONPATH")) if p)
+        assert self.b.supervisor is not None  # start_all started the others through it
+        popen = self.b.supervisor.start("consume", "--queue", queue, env=env,
+                                        name="consume-skewed")
+        proc = Proc("consume", popen, self.b.supervisor.log_path(popen), "consumer")
+        self.b.procs.append(proc)
+        return proc
 
     async def start_all(self, within: float = 120) -> None:
         for slot in self.slots.values():
@@ -114,6 +136,49 @@ class Fleet:
         finally:
             slot.busy = False
 
+    async def skewed(self, slot: Slot, skew: float, seconds: float) -> dict[str, Any]:
+        """Restart a consumer with its clock ``skew`` s off for ``seconds``, then with a good
+        clock again; the witness is the skew its own renewals measured (``consumer`` row)."""
+        proc = slot.proc
+        if proc is None or not proc.alive() or slot.busy or slot.queue is None:
+            return {"skipped": "target down or under another fault"}
+        slot.busy = True
+        try:
+            first = await self._stop(proc, signal.SIGTERM)
+            self.start(slot, skew)
+            assert slot.proc is not None
+            skewed, measured = slot.proc, None
+            # skewed for ``seconds``, and on until its first renewal measured the skew (a
+            # loaded machine starts a process slowly), for 30 s more at most
+            until, latest = time.monotonic() + seconds, time.monotonic() + seconds + 30
+            while time.monotonic() < (until if measured is not None else latest):
+                await asyncio.sleep(0.5)
+                if not skewed.alive():
+                    break
+                with contextlib.suppress(Exception):  # PostgreSQL may be restarting
+                    value = await self.b.db().fetchval(
+                        "SELECT clock_skew FROM consumer WHERE pid = $1", skewed.pid)
+                    measured = measured if value is None else float(value)
+            alive = skewed.alive()
+            await self._stop(skewed, signal.SIGTERM)
+            self.start(slot)
+            assert slot.proc is not None
+            return {"pid": proc.pid, "returncode": first, "skewed_pid": skewed.pid,
+                    "skew": skew, "clock_skew": measured, "alive_while_skewed": alive,
+                    "new_pid": slot.proc.pid}
+        finally:
+            slot.busy = False
+
+    async def _stop(self, proc: Proc, sig: signal.Signals) -> int | None:
+        proc.popen.send_signal(sig)
+        try:
+            code = await asyncio.to_thread(proc.popen.wait, 30)
+        except Exception:  # a SIGTERM that did not end it: as a supervisor would
+            proc.popen.kill()
+            code = await asyncio.to_thread(proc.popen.wait, 10)
+        self._forget(proc)
+        return code
+
     async def freeze(self, slot: Slot, seconds: float) -> dict[str, Any]:
         proc = slot.proc
         if proc is None or not proc.alive() or slot.busy:
@@ -158,7 +223,8 @@ class EventTap:
 
         async def on_message(message: aio_pika.abc.AbstractIncomingMessage) -> None:
             async with message.process():
-                self.seen.append((message.routing_key or "", message.body))
+                if BAD_HEADER not in (message.headers or {}):  # bad input is judged apart
+                    self.seen.append((message.routing_key or "", message.body))
 
         await queue.consume(on_message)
 
@@ -215,6 +281,7 @@ async def cause(fault: Fault, fleet: Fleet, tap: EventTap, cluster: PostgresClus
     slot = fleet.slots.get(fault.slot)
     b = fleet.b
     witness: dict[str, Any]
+    inputs: list[dict[str, Any]] = []  # bad input: each piece, for the checker
     try:
         if fault.kind.endswith("_kill") and slot is not None:
             witness = await fleet.signal_out(slot, signal.SIGKILL, fault.seconds)
@@ -229,12 +296,18 @@ async def cause(fault: Fault, fleet: Fleet, tap: EventTap, cluster: PostgresClus
             witness = await terminate_backends(b.admin_dsn, roles, fault.share)
         elif fault.kind == "replay":
             witness = await tap.replay(rng, fault.share)
+        elif fault.kind == "consumer_skew" and slot is not None:
+            witness = await fleet.skewed(slot, fault.skew, fault.seconds)
+        elif fault.kind == "bad_message":
+            witness, inputs = await bad_messages(fault, fleet, tap)
+        elif fault.kind == "bad_trigger":
+            witness, inputs = await bad_triggers(fault, fleet)
         else:
             witness = {"skipped": f"unknown kind {fault.kind}"}
     except Exception as exc:  # recorded: a fault that could not be caused is not counted
         witness = {"error": repr(exc)}
     return {"kind": fault.kind, "planned": fault.at, "at": at, "end": time.time(),
-            "offset": at - t0, "target": fault.slot, "witness": witness,
+            "offset": at - t0, "target": fault.slot, "witness": witness, "inputs": inputs,
             "happened": happened(fault.kind, witness)}
 
 
@@ -242,6 +315,10 @@ def happened(kind: str, w: dict[str, Any]) -> bool:
     """Did the witness see the fault take effect?"""
     if "skipped" in w or "error" in w:
         return False
+    if kind == "consumer_skew":  # its renewals saw the clock off past max_clock_skew (2 s)
+        return w.get("clock_skew") is not None and abs(w["clock_skew"]) > 2.0
+    if kind.startswith("bad_"):
+        return bool(w["sent"] or w["refused_at_publish"])
     if kind.endswith(("_kill", "_term")):
         return w.get("returncode") is not None and w.get("new_pid") != w.get("pid")
     if kind.endswith("_stop"):

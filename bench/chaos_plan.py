@@ -18,6 +18,17 @@ SLOTS = ("a1", "a2", "b1", "b2", "w1", "w2")  # the processes: consumers of a an
 # Fault kinds and how often each is drawn.
 KINDS = {"consumer_kill": 3, "consumer_term": 2, "consumer_stop": 2, "writer_kill": 2,
          "writer_term": 1, "writer_stop": 1, "pg_restart": 1, "pg_terminate": 2, "replay": 2}
+# Clock skew and bad input: drawn apart, from a stream of their own, so the kinds above fall
+# on the same moments for a seed as before these were added (and as in Airflow mode).
+MORE_KINDS = {"consumer_skew": 2, "bad_message": 3, "bad_trigger": 3}
+MORE_GAP = 8.0  # mean seconds between two of them
+# What a hostile or broken client sends (``bad_message``: each fault a random non-empty
+# subset, so a short run sees every one) and the deferrals of bad triggers (``bad_trigger``).
+BAD_MESSAGES = ("wakeup_malformed", "wakeup_oversized", "wakeup_unknown", "wakeup_foreign",
+                "event_malformed", "event_oversized", "event_unknown", "event_forged",
+                "event_fenced")
+BAD_TRIGGERS = ("kwargs", "raise", "hang", "block", "garbage")
+SKEW = (30.0, 300.0)  # a skewed consumer's clock is this far off (either way), seconds
 
 
 @dataclass(frozen=True)
@@ -40,6 +51,9 @@ class Fault:
     seconds: float = 0.0  # how long a process stays stopped, or down before its restart
     share: float = 0.0  # pg_terminate: the share of connections; replay: of captured events
     roles: tuple[str, ...] = ()  # pg_terminate: whose connections
+    skew: float = 0.0  # consumer_skew: the restarted consumer's clock offset, seconds
+    variants: tuple[str, ...] = ()  # bad_message, bad_trigger: which bad inputs
+    team: str = ""  # bad_message, bad_trigger: the team whose queue they go to
 
 
 @dataclass(frozen=True)
@@ -56,8 +70,10 @@ class Plan:
 
 
 def make_plan(seed: int, seconds: float) -> Plan:
+    faults = (*_faults(random.Random(f"{seed}/nemesis"), seconds),
+              *_more(random.Random(f"{seed}/nemesis-more"), seconds))
     return Plan(seed, seconds, _ops(random.Random(f"{seed}/workload"), seconds),
-                _faults(random.Random(f"{seed}/nemesis"), seconds))
+                tuple(sorted(faults, key=lambda f: f.at)))
 
 
 def _ops(rng: random.Random, seconds: float) -> tuple[Op, ...]:
@@ -104,3 +120,22 @@ def _faults(rng: random.Random, seconds: float) -> tuple[Fault, ...]:
         roles = rng.choice((("consumer",), ("writer",), ("consumer", "writer")))
         faults.append(Fault(round(t, 3), kind, slot, pause, round(rng.uniform(0.3, 1.0), 2),
                             roles if kind == "pg_terminate" else ()))
+
+
+def _more(rng: random.Random, seconds: float) -> tuple[Fault, ...]:
+    faults: list[Fault] = []
+    t = 2.0
+    names, weights = list(MORE_KINDS), list(MORE_KINDS.values())
+    while True:
+        t += rng.expovariate(1 / MORE_GAP)
+        if t >= seconds:
+            return tuple(faults)
+        kind = rng.choices(names, weights)[0]
+        if kind == "consumer_skew":  # skewed for a while, then restarted with a good clock
+            faults.append(Fault(round(t, 3), kind, rng.choice(SLOTS[:4]),
+                                round(rng.uniform(5.0, 12.0), 2),
+                                skew=round(rng.uniform(*SKEW) * rng.choice((1, -1)), 1)))
+            continue
+        pool = BAD_MESSAGES if kind == "bad_message" else BAD_TRIGGERS
+        picked = tuple(v for v in pool if rng.random() < 0.5) or (rng.choice(pool),)
+        faults.append(Fault(round(t, 3), kind, variants=picked, team=rng.choice(TEAMS)))

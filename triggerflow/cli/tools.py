@@ -67,7 +67,8 @@ def register(main: click.Group) -> None:
     @click.option("--minutes", type=click.FloatRange(min=0.1), default=5.0, show_default=True,
                   help="`chaos`: minutes of faults before the drain.")
     @click.option("--mode", type=click.Choice(["native", "airflow"]), default="native",
-                  show_default=True, help="`chaos`: which mode it runs (native only so far).")
+                  show_default=True, help="`chaos`: which mode it runs (airflow: against a fresh Airflow "
+                  "metadata database).")
     @settings_options(*connection)
     def bench(scenarios: tuple[str, ...], quick: bool, zone_triggers: int | None,
               repeats: int | None, seed: int | None, minutes: float, mode: str,

@@ -24,27 +24,40 @@ import contextlib
 import logging
 import time
 from collections import defaultdict
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING
 
+from triggerflow.consumer.context import Republish
 from triggerflow.lease import Lease
 from triggerflow.lifecycle import Background
 from triggerflow.runner import TriggerRunner
 from triggerflow.settings import Settings
-from triggerflow.store import ClaimStore, StoreError, Taker, TriggerRef, TriggerSpec
+from triggerflow.store import ClaimStore, StoreError, Taker, TriggerSpec
 from triggerflow.transport import Delivery, TransportError
 from triggerflow.transport.subscriptions import Subscriptions
+
+if TYPE_CHECKING:
+    from triggerflow.consumer.context import ConsumerContext
 
 log = logging.getLogger(__name__)
 
 # Trigger ids to claim, and the wake-up that carried them (None: freed by our own reaper).
 Wakeup = tuple[list[int], Delivery | None]
+# Starts specs a take-over made ours (the consumer's starter, built after admission).
+Start = Callable[[list[TriggerSpec]], Awaitable[None]]
+
+
+async def _not_connected(specs: list[TriggerSpec]) -> None:
+    raise RuntimeError("admission has no starter yet (Admission.connect)")
 
 
 class Admission:
     """Wake-ups waiting to be claimed, the ids pending, the claim lock and the room left.
 
-    ``start`` starts specs a take-over made ours; ``republish`` wakes their queues' consumers
-    for what we hand back; ``background`` runs what must not hold up the caller.
+    ``start`` starts specs a take-over made ours (None: given later, by ``connect``);
+    ``republish`` wakes their queues' consumers for what we hand back; ``background`` runs
+    what must not hold up the caller. Its state changes by its own methods (``stop``,
+    ``clock_checked``, ``decide_warm_up``, ``end_warm_up``, ``claimed``).
     """
 
     def __init__(
@@ -55,8 +68,8 @@ class Admission:
         runner: TriggerRunner,
         subscriptions: Subscriptions,
         background: Background,
-        start: Callable[[list[TriggerSpec]], Awaitable[None]],
-        republish: Callable[[Sequence[TriggerRef]], Awaitable[None]],
+        start: Start | None,
+        republish: Republish,
     ) -> None:
         self.capacity = settings.capacity
         self.claim_batch = settings.claim_batch
@@ -66,7 +79,7 @@ class Admission:
         self.runner = runner
         self.subscriptions = subscriptions
         self.background = background
-        self.start = start
+        self.start: Start = start or _not_connected
         self.republish = republish
         self.wakeups: asyncio.Queue[Wakeup] = asyncio.Queue()
         self.pending = 0  # delivered ids queued for a claim, not running yet
@@ -75,11 +88,74 @@ class Admission:
         self.clock_ok: bool | None = None  # None: not compared with the database's yet
         # Our trigger runtime is still starting and a peer serves our queues meanwhile.
         self.warming = False
+        self._warm_up_decided = False  # at the first renewal (``decide_warm_up``)
         self.stopping = False  # shutdown began: nothing more is let in
         self.ceiling: int | None = None  # after a shed: deliveries beyond it go on to peers
         self.ceiling_until = 0.0  # ... until then (monotonic)
-        # A take that failed may have committed unseen (``doubts``; set by the consumer).
+        # A take that failed may have committed unseen (``doubts``; given by ``connect``).
         self.on_unanswered: Callable[[float], None] = lambda began: None
+
+    @classmethod
+    def of(cls, context: ConsumerContext, subscriptions: Subscriptions) -> Admission:
+        """The consumer's admission; ``connect`` then gives it the parts built after it."""
+        return cls(context.settings, context.store, context.lease, context.runner, subscriptions,
+                   context.background, None, context.republish)
+
+    def connect(self, start: Start, unanswered: Callable[[float], None]) -> None:
+        """The parts that need admission and are built after it: ``start`` starts what a
+        take-over made ours; ``unanswered`` records a take that failed (it may have
+        committed unseen)."""
+        self.start, self.on_unanswered = start, unanswered
+
+    # -- state -------------------------------------------------------------------------------
+
+    def stop(self) -> None:
+        """Shutdown began: nothing more is let in."""
+        self.stopping = True
+
+    def clock_checked(self, ok: bool) -> bool:
+        """Record a comparison of our clock with the database's; whether the verdict changed
+        (the caller stops or resumes what runs on it, then ``update_flow``)."""
+        if ok is self.clock_ok:
+            return False
+        self.clock_ok = ok
+        return True
+
+    def serving(self) -> bool:
+        """Whether we take triggers (as the lease tells peers): a good clock, not warming up."""
+        return self.clock_ok is True and not self.warming
+
+    def is_warming(self) -> bool:
+        """Whether we still wait for our trigger runtime beside a peer (read by readiness)."""
+        return self.warming
+
+    def decide_warm_up(self, runtime: asyncio.Event | None, live_peers: int) -> None:
+        """Once, at the first renewal (which reads the peers): with our runtime still
+        starting, wait while a subscribed peer serves our queues (it runs them meanwhile, and
+        counts us as capacity only once we subscribe); alone, serve at once, or everything
+        would wait, timers included. ``runtime`` None: nothing to wait for."""
+        if self._warm_up_decided:
+            return
+        self._warm_up_decided = True
+        if runtime is not None and not runtime.is_set() and live_peers > 0:
+            self.warming = True
+            log.info("%d peer(s) serve our queues: taking nothing until our trigger runtime "
+                     "answers", live_peers)
+
+    async def warmed_up(self, runtime: asyncio.Event) -> None:
+        """End the warm-up once ``runtime`` is set."""
+        await runtime.wait()
+        self.end_warm_up("our trigger runtime is up")
+
+    def peer_gone(self, why: str = "a peer left") -> None:
+        """A peer of our queues left or died: the wake-ups a shed handed it are ours again,
+        and it may be the one that served our queues while we warm up."""
+        self.lift_ceiling()
+        self.end_warm_up(why)
+
+    def claimed(self, batch: list[Wakeup]) -> None:
+        """A claim batch is done (claimed, passed on or handed back): no longer pending."""
+        self.pending -= sum(len(ids) for ids, _ in batch)
 
     # -- room --------------------------------------------------------------------------------
 

@@ -17,8 +17,12 @@ import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
+from typing import TYPE_CHECKING
 
 from triggerflow.store import CancelSignal, ClaimStore, StoreError
+
+if TYPE_CHECKING:
+    from triggerflow.consumer.context import ConsumerContext
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +47,13 @@ class CancelSweep:
         self.cancel = cancel
         self.interval = interval
         self.signal = asyncio.Event()
+
+    @classmethod
+    def of(cls, context: ConsumerContext, cancel: Callable[[list[int]], Awaitable[int]],
+           watch: CancelSignal | None) -> CancelSweep:
+        lease, runner = context.lease, context.runner  # ``me`` changes on a fence
+        return cls(context.store, lambda: lease.me, lambda: bool(runner.running), cancel,
+                   context.settings.cancel_sweep_interval.total_seconds(), watch)
 
     async def run(self) -> None:
         watching: AbstractAsyncContextManager[None] = (

@@ -14,16 +14,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
-from collections import defaultdict
 from collections.abc import Callable, Sequence
-from typing import TypeVar
 
 from triggerflow.balance import excess
 from triggerflow.consumer.admission import Admission, Wakeup, ack_all, requeue_all
 from triggerflow.consumer.cancel import CancelSweep
+from triggerflow.consumer.context import ConsumerContext
 from triggerflow.consumer.doubts import Doubts
+from triggerflow.consumer.messages import decoded, republish
 from triggerflow.consumer.observe import ConsumerObserver
 from triggerflow.consumer.outcomes import EncodeFn, Outcomes
 from triggerflow.consumer.presence import Presence
@@ -42,10 +43,9 @@ from triggerflow.store import Capabilities, ConsumerStore, ProcessKind, StoreErr
 from triggerflow.telemetry import get_metrics
 from triggerflow.transport import Delivery, Transport
 from triggerflow.transport.subscriptions import Subscriptions
-from triggerflow.wire import WireError, decode_control, decode_wakeup
+from triggerflow.wire import decode_control, decode_wakeup
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 # Renewals a shed waits for before the next rebalancing decision: every peer has renewed
 # (and so counted what it claimed) at least once, with one to spare.
 SETTLE_RENEWALS = 3
@@ -98,11 +98,11 @@ class Consumer:
         self.metrics = get_metrics()
         self.background = Background()
         self.tasks = Tasks()
-        self.admission = Admission(settings, store, self.lease, self.runner, self.subscriptions,
-                                   self.background, lambda specs: self.starter.start_all(specs),
-                                   self._republish)
-        self.starter = Starter(store, self.lease, self.loader, self.runner, self.outcomes,
-                               self.admission, self.background, self._republish)
+        # What the parts share; each is built after what it needs.
+        self.context = ctx = ConsumerContext(settings, store, self.lease, self.runner,
+                                             self.background, functools.partial(republish, transport))
+        self.admission = Admission.of(ctx, self.subscriptions)
+        self.starter = Starter.of(ctx, self.loader, self.outcomes, self.admission)
         self.reaper = Reaper(store, transport, settings, local=self.admission,
                              times_out_orphans=self.capabilities.times_out_orphans)
         self._reap_now = asyncio.Event()
@@ -110,21 +110,17 @@ class Consumer:
         # A peer gone: the wake-ups a shed handed it are ours to claim again at once, not
         # bounced between us and the queue until the shed settles (admission's ceiling).
         self.presence = Presence(store, transport, self.lease, self.queues, self._reap_now,
-                                 peer_left=self._peer_left)
+                                 peer_left=self.admission.peer_gone)
         self.warm_up = warm_up
-        self._warm_up_decided = warm_up is None
         self.subscriptions.on_session = self.presence.connected
-        self.probation = Probation(self.store, self.lease, self.queues, self.admission,
-                                   self.starter.start, settings.probation_seconds.total_seconds())
-        self.reconciler = Reconciler(
-            store, lambda: self.me, self.runner.running.__contains__, self._republish,
-            settings.reconcile_after.total_seconds())
-        self.doubts = Doubts(store, self.lease, self.admission, self.reconciler.remembered,
-                             self._republish)
-        self.admission.on_unanswered = self.doubts.doubt
-        self.strikes = Strikes(settings, store, self.lease, self.runner, self.probation,
-                               self.background.spawn, self._republish)
-        self.observer = ConsumerObserver(self)
+        self.probation = Probation.of(ctx, self.admission, self.starter.start)
+        self.reconciler = Reconciler.of(ctx)
+        self.doubts = Doubts.of(ctx, self.admission, self.reconciler.remembered)
+        self.admission.connect(self.starter.start_all, self.doubts.doubt)
+        self.strikes = Strikes.of(ctx, self.probation)
+        self.observer = ConsumerObserver(
+            ctx, broker=self.subscriptions.problem, on_overrun=self.strikes.overran,
+            warming=None if warm_up is None else self.admission.is_warming)
 
     @property
     def me(self) -> int:
@@ -142,7 +138,7 @@ class Consumer:
             return 1 if report_stopped([registered] if registered else []) else 0
         await self.subscriptions.set_control(self.me, self._on_control)
         if self.warm_up is not None:
-            self.background.spawn(self._warmed_up(self.warm_up))
+            self.background.spawn(self.admission.warmed_up(self.warm_up))
         for name, coro in (
             ("broker", self.subscriptions.run(on_connected=self.sink.retry)),
             ("claims", self._claim_loop()),
@@ -160,7 +156,7 @@ class Consumer:
 
     async def shutdown(self) -> None:
         """Graceful stop: no new claims, cancel triggers (cleanup), flush, hand back, leave."""
-        self.admission.stopping = True
+        self.admission.stop()
         log.info("stopping: releasing %d triggers", len(self.runner))
         await self.subscriptions.stop()
         # A claim cancelled mid-flight may still commit after the release below and strand
@@ -174,7 +170,7 @@ class Consumer:
         await self.sink.drain(timeout=10)
         with contextlib.suppress(Exception):
             refs = await self.store.release(self.me)
-            await self._republish(refs)
+            await self.context.republish(refs)
             self.metrics.released.add(len(refs), {"cause": "shutdown"})
             log.info("handed back %d triggers", len(refs))
         with contextlib.suppress(Exception):
@@ -186,30 +182,13 @@ class Consumer:
     # -- deliveries ----------------------------------------------------------------------
 
     async def _on_delivery(self, message: Delivery) -> None:
-        ids = await self._decode(message, decode_wakeup)
+        ids = await decoded(self.transport, message, decode_wakeup)
         if ids is None:
             return
         self.admission.deliver(ids, message)
 
-    async def _decode(self, message: Delivery, decode: Callable[[bytes], T]) -> T | None:
-        """The decoded message, or None when it was unreadable and is now dead-lettered."""
-        try:
-            return decode(message.body)
-        except WireError as exc:
-            await self._dead_letter(message, str(exc))
-            return None
-
-    async def _dead_letter(self, message: Delivery, reason: str) -> None:
-        log.warning("dead-lettering a message from %s: %s", message.routing_key, reason)
-        self.metrics.dead_lettered.add(1, {"reason": reason.split(":")[0]})
-        try:
-            await self.transport.dead_letter(message.body, reason, source=message.routing_key)
-            await message.ack()
-        except Exception:
-            await message.reject(requeue=False)  # the queue's DLX still keeps it
-
     async def _on_control(self, message: Delivery) -> None:
-        ctl = await self._decode(message, decode_control)
+        ctl = await decoded(self.transport, message, decode_control)
         if ctl is None:
             return
         if ctl.op == "cancel" and any(i in self.runner.running for i in ctl.ids):
@@ -250,7 +229,7 @@ class Consumer:
                 await asyncio.sleep(1)  # before the hand-back: each counts towards the limit
                 await requeue_all(batch)
             finally:
-                admission.pending -= sum(len(ids) for ids, _ in batch)
+                admission.claimed(batch)
             await asyncio.sleep(0)  # a 100k reclaim must not starve renewals
 
     async def _lease_back(self) -> bool:
@@ -298,13 +277,6 @@ class Consumer:
             self.background.spawn(self.starter.pass_on(found.refused))
         await self.starter.start_all(found.claimed)
 
-    async def _republish(self, refs: Sequence[TriggerRef]) -> None:
-        by_queue: dict[str, list[int]] = defaultdict(list)
-        for ref in refs:
-            by_queue[ref.queue].append(ref.id)
-        if by_queue:
-            await self.transport.publish_wakeups(by_queue)
-
     def _on_fired(self, helds: Sequence[Held]) -> None:
         self.reconciler.fired([h.id for h in helds], [h.attempt for h in helds])
         if self.subscriptions.paused:
@@ -331,8 +303,7 @@ class Consumer:
         try:
             renewal = await self.lease.renew(
                 len(self.runner),
-                subscribed=(self.subscriptions.connected.is_set() and self.admission.clock_ok is True
-                            and not self.admission.warming),
+                subscribed=self.subscriptions.connected.is_set() and self.admission.serving(),
                 warming=self.admission.warming)
         except LeaseLost as exc:
             await self._fence(str(exc))
@@ -341,35 +312,13 @@ class Consumer:
             log.warning("lease renewal failed: %r", exc)
             return
         self.metrics.renewals.add(1)
-        self._decide_warm_up(renewal.live_peers)
+        self.admission.decide_warm_up(self.warm_up, renewal.live_peers)
         self._check_clock()
         await self.presence.announce()
         if renewal.dead_peers:
             self._reap_now.set()
-            self.admission.lift_ceiling()  # a shed's peer may be the dead one
-            self.admission.end_warm_up("a peer of our queues died")
+            self.admission.peer_gone("a peer of our queues died")  # maybe a shed's peer
         self._maybe_rebalance(renewal.live_peers, renewal.peers_running)
-
-    def _decide_warm_up(self, live_peers: int) -> None:
-        """Once, at the first renewal (which reads the peers): with our runtime still
-        starting, wait while a subscribed peer serves our queues (it runs them meanwhile, and
-        counts us as capacity only once we subscribe); alone, serve at once, or everything
-        would wait, timers included."""
-        if self._warm_up_decided:
-            return
-        self._warm_up_decided = True
-        if self.warm_up is not None and not self.warm_up.is_set() and live_peers > 0:
-            self.admission.warming = True
-            log.info("%d peer(s) serve our queues: taking nothing until our trigger runtime "
-                     "answers", live_peers)
-
-    async def _warmed_up(self, ready: asyncio.Event) -> None:
-        await ready.wait()
-        self.admission.end_warm_up("our trigger runtime is up")
-
-    def _peer_left(self) -> None:
-        self.admission.lift_ceiling()  # the wake-ups a shed handed it are ours again
-        self.admission.end_warm_up("a peer left")  # maybe the one serving our queues
 
     def _check_clock(self) -> None:
         """Run triggers only while our clock is within ``max_clock_skew`` of the database's:
@@ -377,9 +326,8 @@ class Consumer:
         and hands back what it holds (stopped here, before a timer can fire), so peers with
         good clocks run it; it serves again once a renewal finds its clock back."""
         check = self.lease.clock_check
-        if check.skew is None or check.ok is self.admission.clock_ok:
+        if check.skew is None or not self.admission.clock_checked(check.ok):
             return
-        self.admission.clock_ok = check.ok
         if check.ok:
             log.info("clock %+.3fs off the database's, within max_clock_skew (%gs): "
                      "running triggers", check.skew, check.bound)
@@ -433,7 +381,7 @@ class Consumer:
     async def _hand_back(self, stopped: list[Held], cause: str) -> list[TriggerRef]:
         """Release stopped triggers and wake their queues' other consumers."""
         refs = await self.store.release(self.me, [h.id for h in stopped])
-        await self._republish(refs)
+        await self.context.republish(refs)
         self.metrics.released.add(len(refs), {"cause": cause})
         return refs
 
@@ -442,7 +390,5 @@ class Consumer:
     async def _sweep_loop(self) -> None:
         """Drop held triggers whose task is no longer deferred (prompt where the store
         signals it, else every ``cancel_sweep_interval``)."""
-        await CancelSweep(self.store, lambda: self.me, lambda: bool(self.runner.running),
-                          lambda ids: self.cancel(ids, cause="sweep"),
-                          self.settings.cancel_sweep_interval.total_seconds(),
-                          self.capabilities.cancel_signal).run()
+        await CancelSweep.of(self.context, functools.partial(self.cancel, cause="sweep"),
+                             self.capabilities.cancel_signal).run()

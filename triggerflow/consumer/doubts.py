@@ -17,11 +17,15 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING
 
 from triggerflow.consumer.admission import Admission
 from triggerflow.lease import Lease
 from triggerflow.store import ClaimStore, TriggerRef
 from triggerflow.telemetry import get_metrics
+
+if TYPE_CHECKING:
+    from triggerflow.consumer.context import ConsumerContext
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +48,11 @@ class Doubts:
         self._owner = 0  # the id the doubtful statements ran under
         self._doubted = asyncio.Event()
         self.freed = 0  # rows handed back so far (read by tests and logs)
+
+    @classmethod
+    def of(cls, context: ConsumerContext, admission: Admission,
+           fired: Callable[[], set[int]]) -> Doubts:
+        return cls(context.store, context.lease, admission, fired, context.republish)
 
     def doubt(self, began: float) -> None:
         """A take that began at ``began`` (loop time) failed: it may have committed."""

@@ -10,10 +10,14 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from triggerflow.consumer.admission import Admission
 from triggerflow.lease import Lease
 from triggerflow.store import ProbationStore, StoreError, TriggerSpec
+
+if TYPE_CHECKING:
+    from triggerflow.consumer.context import ConsumerContext
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +35,12 @@ class Probation:
         self.seconds = seconds
         self.suspects = asyncio.Event()
         self.group: list[int] = []
+
+    @classmethod
+    def of(cls, context: ConsumerContext, admission: Admission,
+           start: Callable[[TriggerSpec], None]) -> Probation:
+        return cls(context.store, context.lease, context.queues, admission, start,
+                   context.settings.probation_seconds.total_seconds())
 
     async def run(self) -> None:
         while True:

@@ -15,8 +15,12 @@ import logging
 from array import array
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING
 
 from triggerflow.store import ClaimStore, TriggerRef
+
+if TYPE_CHECKING:
+    from triggerflow.consumer.context import ConsumerContext
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +52,12 @@ class Reconciler:
         self.after = after
         self._buckets: deque[_Bucket] = deque()
         self.lost = 0  # rows freed so far (read by tests and logs)
+
+    @classmethod
+    def of(cls, context: ConsumerContext) -> Reconciler:
+        lease = context.lease  # ``me`` changes when we are fenced and register anew
+        return cls(context.store, lambda: lease.me, context.runner.running.__contains__,
+                   context.republish, context.settings.reconcile_after.total_seconds())
 
     def fired(self, ids: Sequence[int], attempts: Sequence[int]) -> None:
         now = asyncio.get_running_loop().time()

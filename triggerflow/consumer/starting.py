@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING
 
 from triggerflow.consumer.admission import Admission
 from triggerflow.consumer.freezer import Freezer
@@ -21,6 +22,9 @@ from triggerflow.model import EventKind, FailureReason
 from triggerflow.runner import Held, TriggerRunner, failure
 from triggerflow.store import ClaimStore, StoreError, TriggerRef, TriggerSpec
 from triggerflow.telemetry import get_metrics
+
+if TYPE_CHECKING:
+    from triggerflow.consumer.context import ConsumerContext
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +53,12 @@ class Starter:
         self.republish = republish
         self.metrics = get_metrics()
         self.freezer = Freezer()  # a million held must not slow every full GC pass
+
+    @classmethod
+    def of(cls, context: ConsumerContext, loader: Loader, outcomes: Outcomes,
+           admission: Admission) -> Starter:
+        return cls(context.store, context.lease, loader, context.runner, outcomes, admission,
+                   context.background, context.republish)
 
     async def start_all(self, specs: list[TriggerSpec]) -> None:
         self.metrics.claimed.add(len(specs))

@@ -24,8 +24,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Coroutine, Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from typing import TYPE_CHECKING, Any
 
 from triggerflow.consumer.probation import Probation
 from triggerflow.lease import Lease
@@ -36,6 +36,9 @@ from triggerflow.store.interface import Struck, TriggerRef
 from triggerflow.telemetry import get_metrics
 from triggerflow.transport import TransportError
 from triggerflow.triggers.base import BaseTrigger
+
+if TYPE_CHECKING:
+    from triggerflow.consumer.context import ConsumerContext
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +52,7 @@ class Strikes:
 
     def __init__(self, settings: Settings, store: ProbationStore, lease: Lease, runner: TriggerRunner,
                  probation: Probation, spawn: Callable[[Coroutine[Any, Any, Any]], object],
-                 republish: Callable[[Sequence[TriggerRef]], Coroutine[Any, Any, None]]) -> None:
+                 republish: Callable[[Sequence[TriggerRef]], Awaitable[None]]) -> None:
         self.store = store
         self.lease = lease
         self.runner = runner
@@ -60,6 +63,11 @@ class Strikes:
         self.limit = settings.block_limit.total_seconds()
         self.max_blocks = settings.max_blocks
         self.queues = list(settings.queues)
+
+    @classmethod
+    def of(cls, context: ConsumerContext, probation: Probation) -> Strikes:
+        return cls(context.settings, context.store, context.lease, context.runner, probation,
+                   context.background.spawn, context.republish)
 
     def overran(self, trigger: BaseTrigger, since: float) -> None:
         """On the loop, as it resumes from a block by ``trigger`` that began at ``since``."""
