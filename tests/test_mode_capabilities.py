@@ -132,7 +132,9 @@ async def test_airflow_modes_cancel_signal_wakes_the_sweep_long_before_its_inter
                                 "WHERE task_id = 'cleared'")
         await wait_until(lambda: asyncio.sleep(0, cancelled), 30,
                          message="the sweep woken by the cancel log's notification")
-        assert cancelled == [trigger_id]
+        # Another notification may sweep again before this line: the fake cancel lets go
+        # of nothing, so the same trigger is named again; only which one matters.
+        assert set(cancelled) == {trigger_id}
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)

@@ -4,7 +4,8 @@ Airflow 3.3 template database, with triggerflow's schema set up on it."""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import asyncpg
 
@@ -95,6 +96,14 @@ class AirflowBackend:
     async def race(self, meanwhile: Meanwhile, call: Callable[[], Awaitable[T]]) -> T:
         return await race_in_sql(self.dsn, lambda pool: AirflowStore(pool, self.dsn),
                                  meanwhile, call)
+
+    @contextlib.asynccontextmanager
+    async def process(self) -> AsyncIterator[ServingStore]:
+        store = await AirflowStore.connect(self.dsn, max_size=1)
+        try:
+            yield store
+        finally:
+            await store.close()
 
     async def close(self) -> None:
         await self.store.close()

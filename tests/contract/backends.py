@@ -71,6 +71,11 @@ class Backend(Protocol):
         """``call``, with ``meanwhile`` committed between its snapshot and its row locks."""
         ...
 
+    def process(self) -> contextlib.AbstractAsyncContextManager[ServingStore]:
+        """Another process's own store on the same data: a SQL store of its own pool, whose
+        first renewal reads the peers' counts (a store reads them every few seconds)."""
+        ...
+
     async def close(self) -> None: ...
 
 
@@ -118,6 +123,10 @@ class MemoryBackend:
     async def race(self, meanwhile: Meanwhile, call: Callable[[], Awaitable[T]]) -> T:
         await meanwhile(self.store)  # one call at a time: the other commit comes first
         return await call()
+
+    @contextlib.asynccontextmanager
+    async def process(self) -> AsyncIterator[ServingStore]:
+        yield self.store  # one store for every process: it reads the peers on each renewal
 
     async def defer_again(self, trigger_id: int, store: Store) -> int:
         """The task of ``trigger_id`` deferred again, through ``store``, on a new trigger."""
@@ -202,6 +211,14 @@ class NativeBackend(MemoryBackend):
     async def race(self, meanwhile: Meanwhile, call: Callable[[], Awaitable[T]]) -> T:
         return await race_in_sql(self.dsn, lambda pool: PostgresStore(pool, KwargsCodec()),
                                  meanwhile, call)
+
+    @contextlib.asynccontextmanager
+    async def process(self) -> AsyncIterator[ServingStore]:
+        store = await PostgresStore.connect(self.dsn, max_size=1, codec=KwargsCodec())
+        try:
+            yield store
+        finally:
+            await store.close()
 
 
 class _HeldPool:

@@ -78,10 +78,13 @@ async def test_a_renewal_says_whether_a_peer_of_its_queues_is_dead(backend: Back
 
     me = await register(backend, [A], ttl=600)
     theirs = await register(backend, [B], ttl=600)
+    writer = await register(backend, [], ttl=600, kind=ProcessKind.WRITER)
     await register(backend, [B], ttl=20)
     assert not await dead_peers(me, [A])  # only live rows: mine
+    assert not await dead_peers(writer, [])
     await backend.travel(30)  # B's second consumer expires
     assert not await dead_peers(me, [A])
     assert await dead_peers(theirs, [B])
+    assert await dead_peers(writer, [])  # a renewal of no queues (a writer's): any dead row
     both = await register(backend, [A, B], ttl=600)
     assert await dead_peers(both, [A, B])

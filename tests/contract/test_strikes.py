@@ -7,7 +7,8 @@ reaper that finds a known blocker on a dead consumer blames it alone. Every stor
 from __future__ import annotations
 
 from tests.contract.backends import Backend, register
-from tests.contract.test_failover import TTL, freed, live_through
+from tests.contract.events import event
+from tests.contract.test_failover import TTL, dies_holding, freed, live_through
 from triggerflow.store import Taker
 
 A, B = "team-a", "team-b"
@@ -147,3 +148,124 @@ async def test_a_trigger_quarantined_meanwhile_takes_no_strike(backend: Backend)
     await live_through(backend, 30, witness)
     assert freed(await store.reap_dead([A], max_failures=1)) == [(t, 1, True)]
     assert await store.strike(blocked, t, 1, 30.0, 5, [A]) is None
+
+
+async def test_a_strike_frees_the_struck_run_only_while_nobody_else_runs_it(
+    backend: Backend,
+) -> None:
+    """A row still at the struck run that I handed back is freed all the same (re-sent at a
+    raised attempt); a later run, even my own, is counted against but left running."""
+    store = backend.store
+    t = await backend.defer(A)
+    me = await register(backend, [A], TTL)
+    await store.claim(me, [t], [A])
+    assert [r.id for r in await store.release(me, [t])] == [t]  # nobody's, still at run 1
+    struck = await store.strike(me, t, 1, 2.0, 5, [A])
+    assert struck is not None and (struck.blocks, struck.freed) == (1, True)
+    [spec] = (await store.claim(me, [t], [A])).claimed
+    assert spec.attempt == 3  # past the run the strike freed it at
+
+    struck = await store.strike(me, t, 2, 2.0, 5, [A])  # an earlier run than the one I hold
+    assert struck is not None and (struck.blocks, struck.freed) == (2, False)
+    other = await register(backend, [A], TTL)
+    assert (await store.claim(other, [t], [A])).claimed == []  # still mine, at run 3
+    assert len(await store.apply_events([event(t, 3, A)])) == 1
+
+
+async def test_a_quarantining_strike_takes_the_trigger_from_the_peer_that_runs_it(
+    backend: Backend,
+) -> None:
+    """The blocked run's strike lands after a peer took the trigger over, and quarantines it:
+    the peer holds it no more, so the peer's own death later frees (and revives) nothing."""
+    store = backend.store
+    t = await backend.defer(A)
+    blocked = await register(backend, [A], TTL)
+    peer = await register(backend, [A], TTL)
+    await store.claim(blocked, [t], [A])
+    await live_through(backend, 30, peer)  # blocked past its lease
+    reaped = await store.reap_dead([A], 30, taker=Taker(peer, 10))
+    assert [s.id for s in reaped.taken] == [t]
+
+    struck = await store.strike(blocked, t, 1, 30.0, 1, [A])
+    assert struck is not None and (struck.quarantined, struck.freed) == (True, False)
+    witness = await register(backend, [A], TTL)
+    await live_through(backend, 30, witness)  # the peer dies in turn
+    assert await store.renew(peer, TTL, 1, [A]) is None
+    reaped = await store.reap_dead([A], 30, taker=Taker(witness, 10))
+    assert (reaped.freed, reaped.taken) == ([], [])
+    assert (await store.claim(witness, [t], [A])).claimed == []  # still quarantined
+
+
+async def test_a_blocker_a_live_peer_runs_excuses_no_other_death(backend: Backend) -> None:
+    """Stalled means by a blocker of its own: a known blocker that a live peer runs does not
+    spare a consumer that died holding other triggers; they are blamed as usual."""
+    store = backend.store
+    blocker, t = await backend.defer(A), await backend.defer(A)
+    witness = await register(backend, [A], TTL)
+    await store.claim(witness, [blocker], [A])
+    struck = await store.strike(witness, blocker, 1, 1.5, 3, [A])
+    assert struck is not None and struck.freed
+    assert [s.id for s in (await store.claim(witness, [blocker], [A])).claimed] == [blocker]
+    await dies_holding(backend, [t], witness)
+    assert freed(await store.reap_dead([A], max_failures=5)) == [(t, 1, False)]
+
+
+async def test_a_death_nobody_witnessed_counts_no_block_either(backend: Backend) -> None:
+    """An outage fenced everyone: the known blocker the dead consumer held is not blamed, so
+    the run it was in is not counted as blocked; its own strike counts it when it lands."""
+    store = backend.store
+    t = await backend.defer(A)
+    first = await register(backend, [A], TTL)
+    await store.claim(first, [t], [A])
+    struck = await store.strike(first, t, 1, 1.5, 3, [A])
+    assert struck is not None and struck.freed
+    second = await register(backend, [A], TTL)
+    [spec] = (await store.claim(second, [t], [A])).claimed
+    await backend.travel(30)  # every lease ends: nobody stayed alive across it
+
+    reaped = await store.reap_dead([A], max_failures=1, max_blocks=2)
+    assert freed(reaped) == [(t, 0, False)]
+    struck = await store.strike(second, t, spec.attempt, 1.5, 3, [A])
+    assert struck is not None and struck.blocks == 2
+
+
+async def test_a_blamed_blocker_is_no_loss_and_is_taken_over(backend: Backend) -> None:
+    """A known blocker's blamed run counts as a block, not a loss, and the innocent it
+    stalled is not blamed: each lost once before, neither is a suspect after it, and the
+    reaping consumer takes both over like any trigger."""
+    store = backend.store
+    t, innocent = await backend.defer(A), await backend.defer(A)
+    witness = await register(backend, [A], TTL)
+    await dies_holding(backend, [t, innocent], witness)
+    reaped = await store.reap_dead([A], max_failures=5)
+    assert freed(reaped) == [(t, 1, False), (innocent, 1, False)]  # one loss each
+    striker = await register(backend, [A], TTL)
+    [spec] = (await store.claim(striker, [t], [A])).claimed
+    struck = await store.strike(striker, t, spec.attempt, 1.5, 3, [A])
+    assert struck is not None and struck.freed
+    await dies_holding(backend, [t, innocent], witness)  # stalled by it past its lease
+
+    reaped = await store.reap_dead([A], max_failures=5, taker=Taker(witness, 10))
+    assert freed(reaped) == []
+    assert sorted(s.id for s in reaped.taken) == [t, innocent]
+
+
+async def test_a_run_struck_under_a_new_registration_is_counted_once(backend: Backend) -> None:
+    """The stalled consumer registered again and its strike landed before a reaper found the
+    old lease holding the trigger: the reaper blames the blocker without counting that run
+    a second time."""
+    store = backend.store
+    t = await backend.defer(A)
+    witness = await register(backend, [A], TTL)
+    old = await register(backend, [A], TTL)
+    [spec] = (await store.claim(old, [t], [A])).claimed
+    await live_through(backend, 30, witness)  # its loop blocked past its lease
+    new = await register(backend, [A], TTL)
+    struck = await store.strike(new, t, spec.attempt, 30.0, 3, [A])
+    assert struck is not None and (struck.blocks, struck.freed) == (1, False)  # old holds it
+
+    reaped = await store.reap_dead([A], max_failures=5, max_blocks=3)
+    assert freed(reaped) == [(t, 0, False)]  # a block, not a loss
+    [again] = (await store.claim(new, [t], [A])).claimed
+    struck = await store.strike(new, t, again.attempt, 1.0, 3, [A])
+    assert struck is not None and (struck.blocks, struck.quarantined) == (2, False)
