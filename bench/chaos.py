@@ -20,11 +20,8 @@ ended twice or resumed by a stale event, or something left behind.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import os
 import random
-import shutil
 import sys
 import time
 import uuid
@@ -34,11 +31,18 @@ from typing import TYPE_CHECKING, Any
 
 from bench.chaos_check import BOUND, Report, check
 from bench.chaos_plan import TEAMS, Op, Plan, make_plan
+from bench.chaos_run import (
+    dead_letters,
+    json_or_none,
+    messages,
+    nemesis,
+    private_cluster,
+    retry,
+)
 
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from bench.chaos_faults import EventTap, Fleet
     from bench.harness import Bench
     from testbed.services import PostgresCluster
     from triggerflow.settings import Settings
@@ -91,16 +95,7 @@ async def _with_cluster(settings: Settings, plan: Plan, console: Console,
 
     from bench.common import FULL
     from bench.harness import Bench
-    from testbed.services import BASE, FAST_PG, PostgresCluster
-
-    BASE.mkdir(parents=True, exist_ok=True)
-    with contextlib.suppress(PermissionError):
-        BASE.chmod(0o1777)
-    root = BASE / f"{os.getpid()}-chaos{uuid.uuid4().hex[:6]}"  # reaped if we die
-    root.mkdir(mode=0o755)
-    cluster = PostgresCluster(root / "postgres", settings=dict(FAST_PG))
-    try:
-        await asyncio.to_thread(cluster.start)
+    async with private_cluster("chaos") as (_, cluster):
         own = settings.model_copy(update={
             "database_url": SecretStr(f"{cluster.url}/chaos"),
             "namespace": f"{settings.namespace}-chaos{uuid.uuid4().hex[:4]}"})
@@ -112,9 +107,6 @@ async def _with_cluster(settings: Settings, plan: Plan, console: Console,
             return await _scenario(b, cluster, plan)
         finally:
             await b.teardown()
-    finally:
-        await asyncio.to_thread(cluster.stop)
-        shutil.rmtree(root, ignore_errors=True)
 
 
 async def _run(settings: Settings, plan: Plan, console: Console, mode: str) -> Report:
@@ -159,7 +151,7 @@ async def _scenario(b: Bench, cluster: PostgresCluster, plan: Plan) -> dict[str,
     t0 = time.time()
     try:
         await asyncio.gather(work.run(plan.ops, t0),
-                             _nemesis(plan, fleet, tap, cluster, t0, work.faults))
+                             nemesis(plan, fleet, tap, cluster, t0, work.faults))
         b.log(f"chaos over: {len(work.deferrals)} deferrals, {len(work.cancels)} cancels, "
               f"{sum(f['happened'] for f in work.faults)} faults, {len(fleet.exits)} "
               "processes exited by themselves (restarted); draining")
@@ -174,15 +166,11 @@ async def _scenario(b: Bench, cluster: PostgresCluster, plan: Plan) -> dict[str,
         "faults": work.faults, "exits": fleet.exits, "pids": slot_pids(fleet),
         "bounds": BOUND, "drained": drained,
     }
-    rows = await _retry(b, lambda db: db.fetch("SELECT * FROM chaos_audit ORDER BY seq"))
-    history["audit"] = [{**r, "event": _json(r["event"]), "result": _json(r["result"])}
+    rows = await retry(b, lambda db: db.fetch("SELECT * FROM chaos_audit ORDER BY seq"))
+    history["audit"] = [{**r, "event": json_or_none(r["event"]), "result": json_or_none(r["result"])}
                         for r in rows]
     history["final"] = await _final(b, queues)
     return history
-
-
-def _json(value: str | None) -> Any:
-    return None if value is None else json.loads(value)
 
 
 class Workload:
@@ -249,39 +237,6 @@ class Workload:
             rec["error"] = repr(exc)[:300]
 
 
-async def _nemesis(plan: Plan, fleet: Fleet, tap: EventTap, cluster: PostgresCluster,
-                   t0: float, record: list[dict[str, Any]]) -> None:
-    """Each fault at its moment, as its own task: faults overlap (a stopped writer while a
-    consumer is killed and PostgreSQL restarts)."""
-    from bench.chaos_faults import cause
-
-    rng = random.Random(f"{plan.seed}/replay")
-    running = []
-
-    async def one(fault: Any) -> None:
-        result = await cause(fault, fleet, tap, cluster, rng, t0)
-        record.append(result)
-        fleet.b.log(f"fault {fault.kind} {fault.slot} at +{result['offset']:.1f}s: "
-                    f"{result['witness']}")
-
-    for fault in plan.faults:
-        await asyncio.sleep(max(0.0, t0 + fault.at - time.time()))
-        running.append(asyncio.ensure_future(one(fault)))
-    await asyncio.gather(*running)
-
-
-async def _retry(b: Bench, query: Any, within: float = 60.0) -> Any:
-    """A read of the bench's own that rides out a PostgreSQL restart."""
-    deadline = time.monotonic() + within
-    while True:
-        try:
-            return await query(b.db())
-        except Exception:
-            if time.monotonic() > deadline:
-                raise
-            await asyncio.sleep(0.5)
-
-
 async def _drain(b: Bench, queues: dict[str, str], work: Workload) -> bool:
     """Until nothing is deferred, no trigger row is left (but a quarantined one) and the
     queues are empty (the dead-letter queue is the checker's to judge: bad input lands there)."""
@@ -289,10 +244,10 @@ async def _drain(b: Bench, queues: dict[str, str], work: Workload) -> bool:
     last_due = max((d["due"] for d in work.deferrals.values()), default=time.time())
     deadline = max(time.time(), last_due) + DRAIN
     while time.time() < deadline:
-        busy = await _retry(b, lambda db: db.fetchval(
+        busy = await retry(b, lambda db: db.fetchval(
             "SELECT (SELECT count(*) FROM task_instance WHERE state = 'deferred') "
             "+ (SELECT count(*) FROM trigger WHERE quarantined_at IS NULL)"))
-        waiting = await _messages(b, queues)
+        waiting = await messages(b, queues)
         waiting.pop(b.broker.topology.dead_queue)
         if busy == 0 and sum(waiting.values()) == 0:
             return True
@@ -300,50 +255,15 @@ async def _drain(b: Bench, queues: dict[str, str], work: Workload) -> bool:
     return False
 
 
-async def _messages(b: Bench, queues: dict[str, str]) -> dict[str, int]:
-    assert b.broker is not None
-    t = b.broker.topology
-    out = {}
-    for name in (*queues.values(), t.events_queue, t.dead_queue):
-        info = await b.broker.queue_info(name)
-        out[name] = info.ready if info else 0
-    return out
-
-
 async def _final(b: Bench, queues: dict[str, str]) -> dict[str, Any]:
-    triggers = await _retry(b, lambda db: db.fetch(
+    triggers = await retry(b, lambda db: db.fetch(
         "SELECT id, queue, owner_id, attempt, classpath, "
         "quarantined_at IS NOT NULL AS quarantined FROM trigger ORDER BY id"))
-    deferred = await _retry(b, lambda db: db.fetch(
+    deferred = await retry(b, lambda db: db.fetch(
         "SELECT task_id, queue, next_kwargs->>'d' AS d, trigger_id FROM task_instance "
         "WHERE state = 'deferred'"))
     return {"triggers": [dict(r) for r in triggers], "deferred": [dict(r) for r in deferred],
-            "messages": await _messages(b, queues), "dead_letters": await _dead_letters(b)}
-
-
-async def _dead_letters(b: Bench, most: int = 2000) -> list[dict[str, Any]]:
-    """What the dead-letter queue holds: who put each there and why (the broker's
-    ``x-death`` for a delivery limit, triggerflow's reason header for a refusal)."""
-    from triggerflow.wire import HEADER_REASON
-
-    assert b.broker is not None and b.broker.connection is not None
-    ch = await b.broker.connection.channel()
-    out: list[dict[str, Any]] = []
-    try:
-        queue = await ch.declare_queue(b.broker.topology.dead_queue, passive=True)
-        while len(out) < most:
-            message = await queue.get(no_ack=False, fail=False)
-            if message is None:
-                break
-            deaths: Any = message.headers.get("x-death") or []
-            out.append({"reason": str(message.headers.get(HEADER_REASON, "")),
-                        "x-death": [{k: str(d.get(k)) for k in ("reason", "queue", "count")}
-                                    for d in deaths],
-                        "routing_key": message.routing_key, "body": message.body[:300].decode(
-                            errors="replace")})
-    finally:
-        await ch.close()  # unacked: they stay for the count, deleted with the queue
-    return out
+            "messages": await messages(b, queues), "dead_letters": await dead_letters(b)}
 
 
 def _record(plan: Plan, report: Report) -> None:

@@ -20,12 +20,8 @@ history is mapped to native mode's format (``chaos_airflow_audit``) and checked 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import json
-import os
-import random
-import shutil
 import sys
 import time
 import uuid
@@ -37,12 +33,19 @@ from typing import TYPE_CHECKING, Any
 from bench.chaos_airflow_audit import AUDIT, FINAL_DEFERRED, FINAL_TRIGGERS, native_audit
 from bench.chaos_check import BOUND
 from bench.chaos_plan import TEAMS, Op, Plan
+from bench.chaos_run import (
+    dead_letters,
+    json_or_none,
+    messages,
+    nemesis,
+    private_cluster,
+    retry,
+)
 from bench.harness import Bench
 
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from bench.chaos_faults import EventTap, Fleet
     from testbed.services import PostgresCluster
     from triggerflow.settings import Settings
 
@@ -93,27 +96,18 @@ async def airflow_history(settings: Settings, plan: Plan, console: Console,
     from bench.chaos_airflow_worker import chaos_dag
     from bench.common import FULL
     from testbed.airflow_stack import AirflowStack
-    from testbed.services import BASE, FAST_PG, PostgresCluster
     from triggerflow.airflow.setup import setup as airflow_setup
 
-    BASE.mkdir(parents=True, exist_ok=True)
-    with contextlib.suppress(PermissionError):
-        BASE.chmod(0o1777)
-    root = BASE / f"{os.getpid()}-chaosaf{uuid.uuid4().hex[:6]}"  # reaped if we die
-    root.mkdir(mode=0o755)
-    (root / "dags").mkdir()
-    (root / "airflow").mkdir()
-    cluster = PostgresCluster(root / "postgres", settings=dict(FAST_PG))
     ns = f"{settings.namespace}-chaosaf{uuid.uuid4().hex[:4]}"
     queues = {team: f"{ns}.team-{team}" for team in TEAMS}
     tasks = _tasks(plan.ops)
     counts = [(t, queues[t], max(1, sum(1 for team, _ in tasks.values() if team == t)))
               for t in TEAMS]
-    (root / "dags" / "tf_chaos.py").write_text(chaos_dag(counts))
-    stack = AirflowStack("", root / "dags", home=root / "airflow")
-    try:
-        await asyncio.to_thread(cluster.start)
-        stack.server_url = cluster.url
+    async with private_cluster("chaosaf") as (root, cluster):
+        (root / "dags").mkdir()
+        (root / "airflow").mkdir()
+        (root / "dags" / "tf_chaos.py").write_text(chaos_dag(counts))
+        stack = AirflowStack(cluster.url, root / "dags", home=root / "airflow")
         migrate_s = await asyncio.to_thread(stack.migrate)
         await asyncio.to_thread(stack.run_cli, "dags", "reserialize", timeout=300)
         release = await airflow_setup(stack.database_url)
@@ -133,9 +127,6 @@ async def airflow_history(settings: Settings, plan: Plan, console: Console,
             return await _scenario(b, cluster, plan, stack.env, tasks, queues)
         finally:
             await b.teardown()
-    finally:
-        await asyncio.to_thread(cluster.stop)
-        shutil.rmtree(root, ignore_errors=True)
 
 
 def _tasks(ops: tuple[Op, ...]) -> dict[str, tuple[str, int]]:
@@ -170,7 +161,7 @@ async def _scenario(b: AirflowBench, cluster: PostgresCluster, plan: Plan,
     t0 = time.time()
     try:
         await asyncio.gather(work.run(plan.ops, t0),
-                             _nemesis(dataclasses.replace(plan, faults=faults), fleet, tap,
+                             nemesis(dataclasses.replace(plan, faults=faults), fleet, tap,
                                       cluster, t0, work.faults))
         b.log(f"chaos over: {len(work.deferrals)} deferrals, {len(work.cancels)} cancels, "
               f"{sum(f['happened'] for f in work.faults)} faults, {len(fleet.exits)} "
@@ -181,24 +172,20 @@ async def _scenario(b: AirflowBench, cluster: PostgresCluster, plan: Plan,
         watcher.cancel()
         await tap.close()
         await work.close()
-    rows = await _retry(b, lambda db: db.fetch("SELECT * FROM chaos_audit ORDER BY seq"))
+    rows = await retry(b, lambda db: db.fetch("SELECT * FROM chaos_audit ORDER BY seq"))
     return {
         "mode": "airflow", "seed": plan.seed, "seconds": plan.seconds,
         "schedule": plan.digest(), "started": t0, "deferrals": list(work.deferrals.values()),
         "cancels": work.cancels, "faults": work.faults, "exits": fleet.exits,
         "pids": slot_pids(fleet), "bounds": BOUND, "drained": drained,
         "served_again": work.served_again,
-        "audit": native_audit([{**r, "event": _json(r["event"]), "xvalue": _json(r["xvalue"])}
+        "audit": native_audit([{**r, "event": json_or_none(r["event"]), "xvalue": json_or_none(r["xvalue"])}
                                for r in rows]),
         "final": {
-            "triggers": [dict(r) for r in await _retry(b, lambda db: db.fetch(FINAL_TRIGGERS))],
-            "deferred": [dict(r) for r in await _retry(b, lambda db: db.fetch(FINAL_DEFERRED))],
-            "messages": await _messages(b, queues), "dead_letters": await _dead_letters(b)},
+            "triggers": [dict(r) for r in await retry(b, lambda db: db.fetch(FINAL_TRIGGERS))],
+            "deferred": [dict(r) for r in await retry(b, lambda db: db.fetch(FINAL_DEFERRED))],
+            "messages": await messages(b, queues), "dead_letters": await dead_letters(b)},
     }
-
-
-def _json(value: str | None) -> Any:
-    return None if value is None else json.loads(value)
 
 
 class AirflowWorkload:
@@ -314,38 +301,6 @@ class AirflowWorkload:
             self.reader.cancel()
 
 
-async def _nemesis(plan: Plan, fleet: Fleet, tap: EventTap, cluster: PostgresCluster,
-                   t0: float, record: list[dict[str, Any]]) -> None:
-    """Each fault at its moment, as its own task, as native mode's nemesis."""
-    from bench.chaos_faults import cause
-
-    rng = random.Random(f"{plan.seed}/replay")
-
-    async def one(fault: Any) -> None:
-        result = await cause(fault, fleet, tap, cluster, rng, t0)
-        record.append(result)
-        fleet.b.log(f"fault {fault.kind} {fault.slot} at +{result['offset']:.1f}s: "
-                    f"{result['witness']}")
-
-    running = []
-    for fault in plan.faults:
-        await asyncio.sleep(max(0.0, t0 + fault.at - time.time()))
-        running.append(asyncio.ensure_future(one(fault)))
-    await asyncio.gather(*running)
-
-
-async def _retry(b: Bench, query: Any, within: float = 60.0) -> Any:
-    """A read of the bench's own that rides out a PostgreSQL restart."""
-    deadline = time.monotonic() + within
-    while True:
-        try:
-            return await query(b.db())
-        except Exception:
-            if time.monotonic() > deadline:
-                raise
-            await asyncio.sleep(0.5)
-
-
 async def _drain(b: Bench, queues: dict[str, str], work: AirflowWorkload,
                  ready_within: float = 300.0) -> bool:
     """Until no task is deferred, no trigger row is left and the queues are empty; at most
@@ -361,38 +316,10 @@ async def _drain(b: Bench, queues: dict[str, str], work: AirflowWorkload,
     work.served_again = time.time()
     deadline = max(time.time(), last_due) + DRAIN
     while time.time() < deadline:
-        busy = await _retry(b, lambda db: db.fetchval(
+        busy = await retry(b, lambda db: db.fetchval(
             "SELECT (SELECT count(*) FROM task_instance WHERE state = 'deferred') "
             "+ (SELECT count(*) FROM trigger)"))
-        if busy == 0 and sum((await _messages(b, queues)).values()) == 0:
+        if busy == 0 and sum((await messages(b, queues)).values()) == 0:
             return True
         await asyncio.sleep(1.0)
     return False
-
-
-async def _messages(b: Bench, queues: dict[str, str]) -> dict[str, int]:
-    assert b.broker is not None
-    t = b.broker.topology
-    out = {}
-    for name in (*queues.values(), t.events_queue, t.dead_queue):
-        info = await b.broker.queue_info(name)
-        out[name] = info.ready if info else 0
-    return out
-
-
-async def _dead_letters(b: Bench, most: int = 50) -> list[dict[str, Any]]:
-    """The dead-letter queue's messages: reason header, ``x-death``, the body's start."""
-    from triggerflow.wire import HEADER_REASON
-
-    assert b.broker is not None and b.broker.connection is not None
-    ch = await b.broker.connection.channel()
-    out: list[dict[str, Any]] = []
-    try:
-        queue = await ch.declare_queue(b.broker.topology.dead_queue, passive=True)
-        while len(out) < most and (message := await queue.get(no_ack=False, fail=False)):
-            out.append({"reason": str(message.headers.get(HEADER_REASON, "")),
-                        "x-death": str(message.headers.get("x-death"))[:300],
-                        "body": message.body[:300].decode(errors="replace")})
-    finally:
-        await ch.close()  # unacked: they stay for the count, deleted with the queue
-    return out
