@@ -11,6 +11,7 @@ import subprocess
 import sys
 from collections.abc import AsyncIterator
 
+import aio_pika
 import asyncpg
 import pendulum
 import pytest
@@ -268,6 +269,16 @@ async def defer_team_task(served: Served, name: str, team: str | None) -> int:
         await conn.close()
 
 
+async def two_consumers_on(amqp_url: str, queue: str) -> bool:
+    """Whether ``queue`` has two consumers on the broker."""
+    conn = await aio_pika.connect(amqp_url)
+    try:
+        declared = await (await conn.channel()).declare_queue(queue, passive=True)
+        return (declared.declaration_result.consumer_count or 0) >= 2
+    finally:
+        await conn.close()
+
+
 async def test_real_consumers_of_a_team_run_only_its_rows(
         served: Served, monkeypatch: pytest.MonkeyPatch) -> None:
     """``writer --airflow`` and ``consume --airflow --team`` processes on one queue (the
@@ -299,6 +310,11 @@ async def test_real_consumers_of_a_team_run_only_its_rows(
 
     beta_proc = served.procs.consume(served.queue, airflow_team=BETA)
     await served.consumer_id(beta_proc)
+    # Registered is not yet subscribed: the broker shares the backstop's re-sends among the
+    # queue's consumers only once BETA's has joined them (ALPHA's drops what is not its team's).
+    amqp_url = served.procs.settings.amqp_dsn()
+    await wait_until(lambda: two_consumers_on(amqp_url, served.queue), 120, interval=0.5,
+                     message="BETA's consumer subscribed beside ALPHA's")
     await wait_until(lambda: served.scheduled("beta", 1), 60, interval=0.2,
                      message="BETA's task resumed by BETA's consumer")
     assert "serving only trigger rows of Airflow team alpha_team" in served.procs.log(alpha_proc)
