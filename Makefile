@@ -114,12 +114,13 @@ test-airflow-version: $(AF_VENV)/.installed
 # 3.2.2's code and schema, every in-process Airflow test (those of 3.3-only features skip),
 # in the stages of `make test`, then the real-stack modules whose path differs between the
 # releases (each case under Airflow's triggerer, then triggerflow, on the same DAGs): the rows
-# an event writes (e2e), the scheduler race (race), the task runtime (runtime_e2e), trigger
-# logs and health (ops_e2e), deadlines (assets). Task ends (cancel_e2e) read and write the same
-# columns on both; their SQL runs on 3.2's schema in the in-process stage.
+# an event writes (e2e), the scheduler race against 3.2's scheduler (race) and the task
+# runtime (runtime_e2e). The rest read and write the same columns
+# on both; their SQL runs on 3.2's schema in the in-process stage. More with
+# AIRFLOW_3_2_STACK="... tests/test_airflow_ops_e2e.py tests/test_airflow_assets.py".
 AF32 = $(MAKE) --no-print-directory test-airflow-version AIRFLOW_VERSION=3.2.2
 AIRFLOW_3_2_STACK ?= tests/test_airflow_e2e.py tests/test_airflow_race.py \
-	tests/test_airflow_ops_e2e.py tests/test_airflow_runtime_e2e.py tests/test_airflow_assets.py
+	tests/test_airflow_runtime_e2e.py
 test-airflow-3.2:
 	@status=0; \
 	$(call stage,$(AF32) AIRFLOW_TESTS="tests/ -k airflow -n $(TEST_WORKERS) --dist loadgroup -m 'not serial and not airflow_stack'"); \
