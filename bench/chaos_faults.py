@@ -122,13 +122,7 @@ class Fleet:
             return {"skipped": "target down or under another fault"}
         slot.busy = True
         try:
-            proc.popen.send_signal(sig)
-            try:
-                code = await asyncio.to_thread(proc.popen.wait, 30)
-            except Exception:  # a SIGTERM that did not end it: as a supervisor would
-                proc.popen.kill()
-                code = await asyncio.to_thread(proc.popen.wait, 10)
-            self._forget(proc)
+            code = await self._stop(proc, sig)
             await asyncio.sleep(down)
             self.start(slot)
             assert slot.proc is not None
