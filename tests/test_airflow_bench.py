@@ -17,7 +17,10 @@ import pytest
 
 from bench.airflow import QUEUE, QUICK, seed_rows
 from bench.airflow_seed import DAG_ID, bench_dag
-from testbed.airflow_stack import AirflowStack
+from testbed.airflow_stack import TEMPLATE_VARIABLE, AirflowStack
+from tests.airflow_support import airflow_template
+
+__all__ = ["airflow_template"]
 
 # A real Airflow stack (scheduler, API server, DAG processor): `make test-airflow`'s stage.
 pytestmark = pytest.mark.airflow_stack
@@ -32,8 +35,12 @@ WHERE ti.dag_id = %s ORDER BY ti.run_id, ti.map_index
 """
 
 
-def test_seeded_rows_equal_a_real_airflow_deferral(tmp_path: Path, pg_server: str) -> None:
+def test_seeded_rows_equal_a_real_airflow_deferral(
+        tmp_path: Path, pg_server: str, airflow_template: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
     import psycopg2  # type: ignore[import-untyped]
+
+    monkeypatch.setenv(TEMPLATE_VARIABLE, airflow_template)  # the session's migrated schema
 
     dags = tmp_path / "dags"
     dags.mkdir()
@@ -70,12 +77,14 @@ def test_seeded_rows_equal_a_real_airflow_deferral(tmp_path: Path, pg_server: st
     assert stack.leftovers() == []
 
 
-def run_bench(cwd: Path, pg_server: str, amqp_server: str, scenario: str, timeout: float) -> str:
+def run_bench(cwd: Path, pg_server: str, amqp_server: str, scenario: str, timeout: float,
+              template: str) -> str:
     """``triggerflow bench SCENARIO --quick`` on the suite's services, from ``cwd`` (its
-    bench-results/ go there); its output, once it exited 0."""
+    bench-results/ go there), each stack's database copied from the session's migrated
+    ``template``; its output, once it exited 0."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRIGGERFLOW_")}
     env.update({"TRIGGERFLOW_DATABASE_URL": f"{pg_server}/unused", "TRIGGERFLOW_AMQP_URL": amqp_server,
-                "COLUMNS": "200"})
+                "COLUMNS": "200", TEMPLATE_VARIABLE: template})
     proc = subprocess.run([sys.executable, "-m", "triggerflow", "bench", scenario, "--quick"],
                           env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
     out = proc.stdout + proc.stderr
@@ -85,12 +94,13 @@ def run_bench(cwd: Path, pg_server: str, amqp_server: str, scenario: str, timeou
 
 @pytest.mark.timeout(540)  # two Airflow stacks (migrate, API server) and a native bench
 def test_bench_airflow_quick_serves_identical_rows_both_ways(
-        tmp_path: Path, pg_server: str, amqp_server: str) -> None:
+        tmp_path: Path, pg_server: str, amqp_server: str, airflow_template: str) -> None:
     """``triggerflow bench airflow --quick``: native mode's burst of 100, then 100 seeded rows
     served by Airflow's triggerer, then the same rows on a fresh stack by triggerflow (and
     what 100 waiting cost it), then the runtime's request latency under both; all applied,
     the tables printed."""
-    out = run_bench(tmp_path, pg_server, amqp_server, "airflow", timeout=540)
+    out = run_bench(tmp_path, pg_server, amqp_server, "airflow", timeout=540,
+                    template=airflow_template)
     assert "airflow triggerer" in out and "triggerflow" in out, out[-4000:]  # the table
     raw = json.loads(next((tmp_path / "bench-results").glob("bench-airflow-*-quick.json"))
                      .read_text())
@@ -120,13 +130,14 @@ def test_bench_airflow_quick_serves_identical_rows_both_ways(
 
 @pytest.mark.timeout(420)  # an Airflow stack (migrate, API server), 5,000 rows claimed
 def test_bench_airflow_million_quick_holds_every_cloned_row(
-        tmp_path: Path, pg_server: str, amqp_server: str) -> None:
+        tmp_path: Path, pg_server: str, amqp_server: str, airflow_template: str) -> None:
     """``triggerflow bench airflow-million --quick``: 500 rows made by Airflow's code, 4,500
     cloned from one of them in SQL, all held by one ``consume --airflow``; the table
     printed with the memory per waiting trigger."""
     from bench.airflow_million import QUICK as MILLION_QUICK
 
-    out = run_bench(tmp_path, pg_server, amqp_server, "airflow-million", timeout=400)
+    out = run_bench(tmp_path, pg_server, amqp_server, "airflow-million", timeout=400,
+                    template=airflow_template)
     assert "waiting Airflow DateTimeTriggers in one consume --airflow" in out, out[-4000:]
     raw = json.loads(next((tmp_path / "bench-results").glob("bench-airflow-million-*-quick.json"))
                      .read_text())
