@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -57,10 +57,14 @@ class Rows:
 
 
 class System(Protocol):
-    """A store with its seeder, emptied for each example."""
+    """A store with its seeder, emptied for each example.
+
+    ``differences``: the machine's rules this store does not run, each with the reason the
+    store roles let it differ there (``model_airflow``); empty for the model and native."""
 
     name: str
     store: Store
+    differences: Mapping[str, str]
 
     async def reset(self) -> None: ...
 
@@ -78,6 +82,19 @@ class System(Protocol):
         """Every trigger, task and process row, read at once."""
         ...
 
+    async def settle(self) -> None:
+        """After an apply: what the store leaves to a moment later, done now."""
+        ...
+
+    def content(self, classpath: str, kwargs: Any, task: str | None) -> tuple[Any, Any, Any]:
+        """A claimed trigger's class, kwargs and task in the model's terms."""
+        ...
+
+    def canonical_task(self, state: str | None, next_method: str | None,
+                       next_kwargs: Any) -> tuple[Any, Any, Any]:
+        """A task row as compared with this store (applied to the model's rows too)."""
+        ...
+
     async def close(self) -> None: ...
 
 
@@ -85,7 +102,23 @@ def _key(name: str) -> TaskKey:
     return TaskKey("dag", name, "run", -1)
 
 
-class MemorySystem:
+class SameAsModel:
+    """A store that stores what the model stores, as the model does."""
+
+    differences: Mapping[str, str] = {}
+
+    async def settle(self) -> None:
+        pass
+
+    def content(self, classpath: str, kwargs: Any, task: str | None) -> tuple[Any, Any, Any]:
+        return classpath, kwargs, task
+
+    def canonical_task(self, state: str | None, next_method: str | None,
+                       next_kwargs: Any) -> tuple[Any, Any, Any]:
+        return state, next_method, next_kwargs
+
+
+class MemorySystem(SameAsModel):
     """The model: the in-memory store on a manual clock."""
 
     name = "memory"
@@ -145,7 +178,7 @@ SELECT
 """
 
 
-class PostgresSystem:
+class PostgresSystem(SameAsModel):
     """The native PostgreSQL store on a database of its own, with an admin connection for
     seeding, moving time and reading rows back."""
 
@@ -187,16 +220,21 @@ class PostgresSystem:
                                  state, name)
 
     async def rows(self) -> Rows:
-        found = await self.admin.fetchrow(_ROWS)
-        assert found is not None
-        return Rows(
-            {t["id"]: TriggerRow(t["owner_id"], t["attempt"], t["failures"], t["q"],
-                                 tuple(t["blocked_attempts"]), frozenset(t["rejected_by"]))
-             for t in json.loads(found["triggers"])},
-            {t["task_id"]: TaskRow(t["state"], t["next_method"], t["next_kwargs"])
-             for t in json.loads(found["tasks"])},
-            json.loads(found["processes"]))
+        return await sql_rows(self.admin, _ROWS)
 
     async def close(self) -> None:
         await self.store.close()
         await self.admin.close()
+
+
+async def sql_rows(admin: Any, query: str) -> Rows:
+    """A SQL system's rows, read by ``query`` as three JSON arrays (triggers, tasks, processes)."""
+    found = await admin.fetchrow(query)
+    assert found is not None
+    return Rows(
+        {t["id"]: TriggerRow(t["owner_id"], t["attempt"], t["failures"], t["q"],
+                             tuple(t["blocked_attempts"]), frozenset(t["rejected_by"]))
+         for t in json.loads(found["triggers"])},
+        {t["task_id"]: TaskRow(t["state"], t["next_method"], t["next_kwargs"])
+         for t in json.loads(found["tasks"])},
+        json.loads(found["processes"]))

@@ -216,3 +216,13 @@ async def test_only_the_first_event_of_an_attempt_in_a_batch_is_read(backend: Ba
         [event(t, 1, A), event(t, 1, A, "fail", payload="{not json")])
     assert [(a.kind, a.queue) for a in applied] == [("resume", A)]
     assert (await backend.task(t)).next_kwargs == {**NEXT_KWARGS, "event": PAYLOAD}
+
+
+async def test_a_trigger_handed_back_on_unregister_is_resent_at_once(backend: Backend) -> None:
+    """A consumer that leaves hands back what it holds dated for the backstop's next sweep,
+    however young the deferral (Airflow mode waited the grace from ``created_date``)."""
+    t = await backend.defer(A)
+    me = await register(backend, [A], ttl=600)
+    assert [s.id for s in (await backend.store.claim(me, [t], [A])).claimed] == [t]
+    await backend.store.unregister(me)
+    assert await backend.store.resend_unclaimed([A], 15, 100) == [TriggerRef(t, A)]

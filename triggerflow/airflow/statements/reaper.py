@@ -77,7 +77,9 @@ WITH due AS (
     WHERE (s.trigger_id IS NULL OR (s.owner_id IS NULL AND s.quarantined_at IS NULL
                                     AND coalesce(s.published_at, '-infinity') <
                                         now() - make_interval(secs => $3)))
-      AND t.created_date < now() - make_interval(secs => $3)
+      -- a row never published waits the grace from its deferral (the NOTIFY listener
+      -- publishes it); one published or dated back (unregister) only from that
+      AND (s.published_at IS NOT NULL OR t.created_date < now() - make_interval(secs => $3))
       AND coalesce(t.queue, $5) IS NOT NULL
       AND (coalesce(t.queue, $5) = ANY($1::text[]) OR $2)
       AND {LIVE} AND {in_team("t.team_name", 6)}
