@@ -88,3 +88,24 @@ async def test_a_renewal_says_whether_a_peer_of_its_queues_is_dead(backend: Back
     assert await dead_peers(writer, [])  # a renewal of no queues (a writer's): any dead row
     both = await register(backend, [A, B], ttl=600)
     assert await dead_peers(both, [A, B])
+
+
+async def test_a_consumer_whose_lease_a_peer_ended_claims_nothing(backend: Backend) -> None:
+    """A consumer that lost only its broker connection does not know yet that a peer ended
+    its lease; a claim it makes meanwhile takes nothing, before and after a reaper deleted
+    its row (an owner no reaper frees would keep the trigger forever). The trigger stays
+    for the peer and for the backstop."""
+    store = backend.store
+    trigger = await backend.defer(A)
+    peer = await register(backend, [A], TTL)
+    victim = await register(backend, [A], TTL)
+    assert await store.announce_presence(victim, "amq.gen-victim")
+    assert await store.presence_gone("amq.gen-victim", [A]) == [victim]
+    await backend.travel(0.1)
+    assert (await store.claim(victim, [trigger], [A])).claimed == []
+    assert await store.renew(peer, TTL, 0, [A]) is not None
+    await store.reap_dead([A], max_failures=5)  # deletes the victim's row (it held nothing)
+    assert (await store.claim(victim, [trigger], [A])).claimed == []
+    assert await store.claim_probation(victim, [A]) == []
+    [spec] = (await store.claim(peer, [trigger], [A])).claimed
+    assert spec.id == trigger

@@ -44,8 +44,12 @@ SPEC = """
 # by OFFSET 0 (as events.APPLY's by its FOR UPDATE). As plain joins, statistics taken right
 # after a burst's clean-up had emptied trigger and trigger_state let the planner read those
 # tables whole for every claim (tests/test_airflow_store.py counts the rows a claim reads).
+# The claimer's own live lease row, key-share locked (why: the native MY_LEASE).
+MY_LEASE = f"""me AS (
+    SELECT id FROM {SCHEMA}.consumer WHERE id = $1 AND expires_at > now() FOR KEY SHARE)"""
+
 CLAIM = f"""
-WITH candidate AS MATERIALIZED (
+WITH {MY_LEASE}, candidate AS MATERIALIZED (
     SELECT c.* FROM (SELECT DISTINCT unnest($2::int[]) AS id) AS want CROSS JOIN LATERAL (
         SELECT t.id, coalesce(t.queue, $4) AS queue, coalesce(s.failures, 0) AS failures,
                coalesce($1 = ANY(s.rejected_by), false) AS refused,
@@ -58,7 +62,7 @@ WITH candidate AS MATERIALIZED (
           AND (s.owner_id IS NULL OR NOT EXISTS (
                 SELECT 1 FROM {SCHEMA}.consumer o
                 WHERE o.id = s.owner_id AND o.expires_at > now()))
-          AND {LIVE} AND {in_team("t.team_name", 5)}
+          AND {LIVE} AND {in_team("t.team_name", 5)} AND EXISTS (SELECT 1 FROM me)
         OFFSET 0
     ) AS c
 ), claimed AS (
@@ -83,7 +87,7 @@ SELECT id, 0, '', '', queue, NULL, NULL, 'refused' FROM candidate WHERE refused 
 """
 
 CLAIM_PROBATION = f"""
-WITH worst AS (
+WITH {MY_LEASE}, worst AS (
     SELECT s.failures AS f, count(*) AS n
     FROM {SCHEMA}.trigger_state s JOIN "trigger" t ON t.id = s.trigger_id
     WHERE coalesce(t.queue, $3) = ANY($2::text[]) AND s.owner_id IS NULL
@@ -95,7 +99,7 @@ WITH worst AS (
          worst
     WHERE coalesce(t.queue, $3) = ANY($2::text[]) AND s.owner_id IS NULL
       AND s.quarantined_at IS NULL AND s.failures = worst.f AND NOT ($1 = ANY(s.rejected_by))
-      AND {in_team("t.team_name", 5)}
+      AND {in_team("t.team_name", 5)} AND EXISTS (SELECT 1 FROM me)
     ORDER BY s.trigger_id
     LIMIT (SELECT least(greatest(1, (n + 1) / 2), $4::int) FROM worst)
     FOR UPDATE OF s SKIP LOCKED

@@ -19,6 +19,8 @@ from triggerflow.store.memory.state import MemoryState, _tenths
 class MemoryClaims(MemoryState):
     async def claim(self, me: int, ids: Sequence[int], queues: Sequence[str]) -> ClaimResult:
         result = ClaimResult()
+        if not self._alive(me):  # my lease is over in the store: nothing becomes mine
+            return result
         for trigger_id in sorted(set(ids)):
             t = self.triggers.get(trigger_id)
             if (
@@ -46,7 +48,7 @@ class MemoryClaims(MemoryState):
             for t in self.triggers.values()
             if t.queue in queues and t.owner is None and not t.quarantined and t.failures >= SUSPECT_FAILURES
         ]
-        if not waiting:  # an empty group is recorded too, as the SQL does
+        if not waiting or not self._alive(me):  # an empty group is recorded too, as the SQL does
             if me in self.processes:
                 self.processes[me].probation = []
             return []

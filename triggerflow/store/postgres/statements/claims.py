@@ -10,13 +10,19 @@ _CLAIM_COLUMNS = """
     format('%s.%s@%s', ti.dag_id, ti.task_id, ti.run_id) AS task
 """
 
+# A claim takes nothing once the claimer's own lease is over in the database (a peer ended it,
+# a reaper deleted the row): the rows would name an owner no reaper frees. The key-share lock
+# makes a reaper's delete of the row wait for the claim (its FOR UPDATE SKIP LOCKED passes the
+# row by, to reap it and what it claimed next time); renewals do not conflict with it.
+MY_LEASE = "me AS (SELECT id FROM consumer WHERE id = $1 AND expires_at > now() FOR KEY SHARE)"
+
 # Claim delivered ids in one statement: only of my queues, only where no live owner holds
 # them. Suspects (lost ungracefully twice or more) are not claimed here: they run on
 # probation (CLAIM_PROBATION) and come back flagged so the consumer knows to look for them;
 # triggers this consumer could not load come back flagged 'refused', to pass on.
 # One loss is not suspicious enough to slow a failover down.
 CLAIM = f"""
-WITH candidate AS (
+WITH {MY_LEASE}, candidate AS (
     -- every delivered id is read once, by trigger_pkey; triggers I refused before come back
     -- flagged from the same scan (a separate "refused" lookup matched the partial index of
     -- all unclaimed triggers and read the whole backlog once per claim)
@@ -24,7 +30,7 @@ WITH candidate AS (
            t.owner_id IS NULL AS unowned
     FROM trigger t
     WHERE t.id = ANY($2::bigint[]) AND t.queue = ANY($3::text[])
-      AND t.quarantined_at IS NULL
+      AND t.quarantined_at IS NULL AND EXISTS (SELECT 1 FROM me)
       AND (t.owner_id IS NULL OR NOT EXISTS (
             SELECT 1 FROM consumer o WHERE o.id = t.owner_id AND o.expires_at > now()))
     ORDER BY t.id
@@ -50,7 +56,7 @@ WHERE refused AND unowned
 # blamed and climb a level; if they survive probation they are cleared. A killer among N
 # triggers is alone after about log2(N) deaths, and N innocents clear in two probations.
 CLAIM_PROBATION = f"""
-WITH worst AS (
+WITH {MY_LEASE}, worst AS (
     SELECT failures AS f, count(*) AS n FROM trigger
     WHERE queue = ANY($2::text[]) AND owner_id IS NULL AND quarantined_at IS NULL
       AND failures >= {SUSPECT_FAILURES}
@@ -58,7 +64,7 @@ WITH worst AS (
 ), candidate AS (
     SELECT t.id FROM trigger t, worst
     WHERE t.queue = ANY($2::text[]) AND t.owner_id IS NULL AND t.quarantined_at IS NULL
-      AND t.failures = worst.f AND NOT ($1 = ANY(t.rejected_by))
+      AND t.failures = worst.f AND NOT ($1 = ANY(t.rejected_by)) AND EXISTS (SELECT 1 FROM me)
     ORDER BY t.id
     LIMIT (SELECT least(greatest(1, (n + 1) / 2), $3::int) FROM worst)
     FOR UPDATE OF t SKIP LOCKED
