@@ -58,7 +58,8 @@ if TYPE_CHECKING:
 
 def run_bench(settings: Settings, scenarios: list[str], quick: bool, *,
               zone_triggers: int | None = None, repeats: int | None = None,
-              seed: int | None = None, minutes: float = 5.0, mode: str = "native") -> int:
+              seed: int | None = None, minutes: float = 5.0, mode: str = "native",
+              topology: str = "single") -> int:
     """Run the named scenarios (default all), print tables, save results; exit code."""
     from rich.console import Console
 
@@ -67,9 +68,12 @@ def run_bench(settings: Settings, scenarios: list[str], quick: bool, *,
             print("bench chaos runs alone: `triggerflow bench chaos --seed S --minutes M`",
                   file=sys.stderr)
             return 2
+        if topology != "single" and mode != "native":
+            print("bench chaos --topology cluster runs native mode only", file=sys.stderr)
+            return 2
         from bench.chaos import run_chaos
 
-        return run_chaos(settings, seed=seed, minutes=minutes, mode=mode)
+        return run_chaos(settings, seed=seed, minutes=minutes, mode=mode, topology=topology)
     if scenarios == ["airflow"]:  # Airflow mode: a real Airflow stack, not the native harness
         from bench.airflow import run_airflow_bench
 

@@ -12,6 +12,9 @@ input (``chaos_bad.py``: recorded apart, judged as docs/security.md says). Every
 and fault is recorded; every change of a task row is recorded by a row trigger of the run's own
 (``chaos_audit``). Then the faults stop, every process runs again, and the run drains: until
 no task is deferred, no trigger row is left and the queues are empty (or the drain times out).
+With ``--topology cluster`` the servers are a PostgreSQL primary with a synchronous standby
+and a 3-node RabbitMQ cluster, reached through both servers' URL and a forwarder
+(``chaos_cluster.py``), and the nemesis also promotes the standby and stops broker nodes.
 The history is written to ``bench-results/chaos-<seed>-<time>.json`` and checked; the last
 line printed is the checker's summary, and the exit status is 1 when it found a task lost,
 ended twice or resumed by a stale event, or something left behind.
@@ -20,6 +23,7 @@ ended twice or resumed by a stale event, or something left behind.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
 import sys
@@ -43,6 +47,7 @@ from bench.chaos_run import (
 if TYPE_CHECKING:
     from rich.console import Console
 
+    from bench.chaos_cluster import Cluster
     from bench.harness import Bench
     from testbed.services import PostgresCluster
     from triggerflow.settings import Settings
@@ -76,40 +81,51 @@ CREATE TRIGGER chaos_audit AFTER INSERT OR UPDATE ON task_instance
 """
 
 
-def run_chaos(settings: Settings, *, seed: int | None, minutes: float, mode: str) -> int:
+def run_chaos(settings: Settings, *, seed: int | None, minutes: float, mode: str,
+              topology: str = "single") -> int:
     from rich.console import Console
 
     seed = random.randrange(1, 10**6) if seed is None else seed
     console = Console(log_path=False, width=None if sys.stdout.isatty() else 150)
-    plan = make_plan(seed, minutes * 60)
-    console.log(f"chaos seed={seed} minutes={minutes:g}: {len(plan.ops)} operations, "
-                f"{len(plan.faults)} faults planned (schedule {plan.digest()})")
-    report = asyncio.run(_run(settings, plan, console, mode))
+    plan = make_plan(seed, minutes * 60, topology)
+    console.log(f"chaos seed={seed} minutes={minutes:g} topology={topology}: {len(plan.ops)} "
+                f"operations, {len(plan.faults)} faults planned (schedule {plan.digest()})")
+    report = asyncio.run(_run(settings, plan, console, mode, topology))
     print("\n".join(report.lines()), flush=True)
     return 0 if report.ok else 1
 
 
-async def _with_cluster(settings: Settings, plan: Plan, console: Console,
-                        out: Path) -> dict[str, Any]:
+async def _with_cluster(settings: Settings, plan: Plan, console: Console, out: Path,
+                        topology: str) -> dict[str, Any]:
     from pydantic import SecretStr
 
     from bench.common import FULL
     from bench.harness import Bench
-    async with private_cluster("chaos") as (_, cluster):
-        own = settings.model_copy(update={
-            "database_url": SecretStr(f"{cluster.url}/chaos"),
-            "namespace": f"{settings.namespace}-chaos{uuid.uuid4().hex[:4]}"})
-        b = Bench.create(own, FULL, console, out)
+    async with contextlib.AsyncExitStack() as stack:
+        update: dict[str, Any] = {"namespace": f"{settings.namespace}-chaos{uuid.uuid4().hex[:4]}"}
+        servers: Cluster | None = None
+        if topology == "cluster":  # both servers' URL and the forwarder, as behind a failover
+            from bench.chaos_cluster import private_topology
+
+            servers = await stack.enter_async_context(private_topology())
+            cluster = servers.pg.primary
+            update.update(database_url=SecretStr(servers.pg.dsn("chaos")),
+                          amqp_url=SecretStr(servers.amqp_url), management_url=None)
+        else:
+            _, cluster = await stack.enter_async_context(private_cluster("chaos"))
+            update["database_url"] = SecretStr(f"{cluster.url}/chaos")
+        b = Bench.create(settings.model_copy(update=update), FULL, console, out)
         # Bench's two queues are the two teams' (both deleted at the end)
         b.queue, b.idle_queue = f"{b.namespace}.team-a", f"{b.namespace}.team-b"
         try:
             await b.setup()
-            return await _scenario(b, cluster, plan)
+            return await _scenario(b, cluster, plan, servers)
         finally:
             await b.teardown()
 
 
-async def _run(settings: Settings, plan: Plan, console: Console, mode: str) -> Report:
+async def _run(settings: Settings, plan: Plan, console: Console, mode: str,
+               topology: str) -> Report:
     import logging
 
     for noisy in ("aiormq", "aio_pika", "asyncpg", "triggerflow"):  # restarts are the point
@@ -122,19 +138,22 @@ async def _run(settings: Settings, plan: Plan, console: Console, mode: str) -> R
 
         history = await airflow_history(settings, plan, console, out)
     else:
-        history = await _with_cluster(settings, plan, console, out)
+        history = await _with_cluster(settings, plan, console, out, topology)
+        history["topology"] = topology
     path = Path("bench-results") / f"chaos-{plan.seed}-{stamp}.json"
     path.write_text(json.dumps(history, indent=None, default=str))
     report = check(history)
     console.log(f"history: {path} (check it again: python -m bench.chaos_check {path}); "
                 f"process logs in {out}")
-    if plan.seconds >= 600 and mode == "native":  # a long run is a result; a short
-        # one judges nothing (Airflow mode's has no table of its own yet)
+    if plan.seconds >= 600 and mode == "native" and topology == "single":  # a long run is
+        # a result; a short one judges nothing (Airflow mode's and the cluster topology's
+        # have no table of their own yet)
         _record(plan, report)
     return report
 
 
-async def _scenario(b: Bench, cluster: PostgresCluster, plan: Plan) -> dict[str, Any]:
+async def _scenario(b: Bench, cluster: PostgresCluster, plan: Plan,
+                    servers: Cluster | None) -> dict[str, Any]:
     from bench.chaos_faults import EventTap, Fleet, slot_pids
 
     await b.db().execute(AUDIT)
@@ -151,7 +170,7 @@ async def _scenario(b: Bench, cluster: PostgresCluster, plan: Plan) -> dict[str,
     t0 = time.time()
     try:
         await asyncio.gather(work.run(plan.ops, t0),
-                             nemesis(plan, fleet, tap, cluster, t0, work.faults))
+                             nemesis(plan, fleet, tap, cluster, t0, work.faults, servers))
         b.log(f"chaos over: {len(work.deferrals)} deferrals, {len(work.cancels)} cancels, "
               f"{sum(f['happened'] for f in work.faults)} faults, {len(fleet.exits)} "
               "processes exited by themselves (restarted); draining")
@@ -247,7 +266,11 @@ async def _drain(b: Bench, queues: dict[str, str], work: Workload) -> bool:
         busy = await retry(b, lambda db: db.fetchval(
             "SELECT (SELECT count(*) FROM task_instance WHERE state = 'deferred') "
             "+ (SELECT count(*) FROM trigger WHERE quarantined_at IS NULL)"))
-        waiting = await messages(b, queues)
+        try:
+            waiting = await messages(b, queues)
+        except Exception:  # the bench's broker connection still reconnecting after a node stop
+            await asyncio.sleep(1.0)
+            continue
         waiting.pop(b.broker.topology.dead_queue)
         if busy == 0 and sum(waiting.values()) == 0:
             return True
@@ -263,7 +286,8 @@ async def _final(b: Bench, queues: dict[str, str]) -> dict[str, Any]:
         "SELECT task_id, queue, next_kwargs->>'d' AS d, trigger_id FROM task_instance "
         "WHERE state = 'deferred'"))
     return {"triggers": [dict(r) for r in triggers], "deferred": [dict(r) for r in deferred],
-            "messages": await messages(b, queues), "dead_letters": await dead_letters(b)}
+            "messages": await retry(b, lambda _: messages(b, queues)),
+            "dead_letters": await retry(b, lambda _: dead_letters(b))}
 
 
 def _record(plan: Plan, report: Report) -> None:

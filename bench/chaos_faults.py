@@ -1,7 +1,9 @@
 """The processes of ``triggerflow bench chaos`` and the nemesis that hits them: each fault is
 caused for real and recorded with its time, its kind and a witness that it happened (a
 killed process's exit status and its replacement's pid, ``T`` in ``/proc`` for a stopped
-one, the postmaster's new pid, backends terminated, events published again)."""
+one, the postmaster's new pid, backends terminated, events published again; with
+``--topology cluster`` the promoted standby out of recovery on a new timeline, the stopped
+broker node missing from the cluster's running nodes)."""
 
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from bench.chaos_plan import SLOTS, Fault
 if TYPE_CHECKING:
     import aio_pika
 
+    from bench.chaos_cluster import Cluster
     from bench.common import Proc
     from bench.harness import Bench
     from testbed.services import PostgresCluster
@@ -269,8 +272,9 @@ async def terminate_backends(admin_dsn: str, roles: list[str], share: float) -> 
 
 
 async def cause(fault: Fault, fleet: Fleet, tap: EventTap, cluster: PostgresCluster,
-                rng: random.Random, t0: float) -> dict[str, Any]:
-    """Cause ``fault`` now; its record: times (epoch), kind, target, witness, happened."""
+                rng: random.Random, t0: float, servers: Cluster | None = None) -> dict[str, Any]:
+    """Cause ``fault`` now; its record: times (epoch), kind, target, witness, happened.
+    ``servers``: ``--topology cluster``'s, which cause its own kinds and ``pg_restart``."""
     at = time.time()
     slot = fleet.slots.get(fault.slot)
     b = fleet.b
@@ -283,6 +287,9 @@ async def cause(fault: Fault, fleet: Fleet, tap: EventTap, cluster: PostgresClus
             witness = await fleet.signal_out(slot, signal.SIGTERM, fault.seconds)
         elif fault.kind.endswith("_stop") and slot is not None:
             witness = await fleet.freeze(slot, fault.seconds)
+        elif servers is not None and fault.kind in ("pg_restart", "pg_promote",
+                                                    "rabbit_node_stop"):
+            witness = await servers.cause(fault)
         elif fault.kind == "pg_restart":
             witness = await restart_postgres(cluster)
         elif fault.kind == "pg_terminate":
@@ -313,6 +320,11 @@ def happened(kind: str, w: dict[str, Any]) -> bool:
         return w.get("clock_skew") is not None and abs(w["clock_skew"]) > 2.0
     if kind.startswith("bad_"):
         return bool(w["sent"] or w["refused_at_publish"])
+    if kind == "pg_promote":  # the standby left recovery on a timeline of its own
+        return (w["in_recovery_before"] is True and w["in_recovery_after"] is False
+                and w["timeline_after"] > w["timeline_before"])
+    if kind == "rabbit_node_stop":  # gone from the cluster's running nodes, then back
+        return w["node"] not in w["running_while_stopped"] and w["node"] in w["running_after"]
     if kind.endswith(("_kill", "_term")):
         return w.get("returncode") is not None and w.get("new_pid") != w.get("pid")
     if kind.endswith("_stop"):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 
 OPS_PER_S = 6.0  # workload operations per second
@@ -29,6 +30,12 @@ BAD_MESSAGES = ("wakeup_malformed", "wakeup_oversized", "wakeup_unknown", "wakeu
                 "event_fenced")
 BAD_TRIGGERS = ("kwargs", "raise", "hang", "block", "garbage")
 SKEW = (30.0, 300.0)  # a skewed consumer's clock is this far off (either way), seconds
+# ``--topology cluster`` only (a synchronous standby, 3 RabbitMQ nodes): the primary stopped
+# and its standby promoted, a broker node stopped and started again. Drawn from a stream of
+# their own too, so every kind above falls on the same moments with either topology.
+CLUSTER_KINDS = {"pg_promote": 1, "rabbit_node_stop": 1}
+CLUSTER_GAP = 20.0  # mean seconds between two of them (each takes seconds to tens of seconds)
+NODES = ("r0", "r1", "r2")  # the broker nodes, by index
 
 
 @dataclass(frozen=True)
@@ -47,8 +54,10 @@ class Op:
 class Fault:
     at: float
     kind: str
-    slot: str = ""  # the process it hits (kill, term, stop)
-    seconds: float = 0.0  # how long a process stays stopped, or down before its restart
+    slot: str = ""  # the process it hits (kill, term, stop), or the broker node (r0-r2)
+    # how long a process or a broker node stays stopped, or down before its restart (or,
+    # pg_promote, before the standby is promoted: an HA manager's detection time)
+    seconds: float = 0.0
     share: float = 0.0  # pg_terminate: the share of connections; replay: of captured events
     roles: tuple[str, ...] = ()  # pg_terminate: whose connections
     skew: float = 0.0  # consumer_skew: the restarted consumer's clock offset, seconds
@@ -69,9 +78,11 @@ class Plan:
         return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
-def make_plan(seed: int, seconds: float) -> Plan:
+def make_plan(seed: int, seconds: float, topology: str = "single") -> Plan:
     faults = (*_faults(random.Random(f"{seed}/nemesis"), seconds),
               *_more(random.Random(f"{seed}/nemesis-more"), seconds))
+    if topology == "cluster":
+        faults += _cluster(random.Random(f"{seed}/nemesis-cluster"), seconds)
     return Plan(seed, seconds, _ops(random.Random(f"{seed}/workload"), seconds),
                 tuple(sorted(faults, key=lambda f: f.at)))
 
@@ -100,15 +111,22 @@ def _ops(rng: random.Random, seconds: float) -> tuple[Op, ...]:
         ops.append(op)
 
 
+def _moments(rng: random.Random, seconds: float, gap: float,
+             kinds: dict[str, int]) -> Iterator[tuple[float, str]]:
+    """Moments ``gap`` s apart on average from 2 s on, each with a kind drawn by weight;
+    the caller draws the fault's details from ``rng`` before the next moment is drawn."""
+    t = 2.0
+    names, weights = list(kinds), list(kinds.values())
+    while True:
+        t += rng.expovariate(1 / gap)
+        if t >= seconds:
+            return
+        yield round(t, 3), rng.choices(names, weights)[0]
+
+
 def _faults(rng: random.Random, seconds: float) -> tuple[Fault, ...]:
     faults: list[Fault] = []
-    t = 2.0
-    names, weights = list(KINDS), list(KINDS.values())
-    while True:
-        t += rng.expovariate(1 / FAULT_GAP)
-        if t >= seconds:
-            return tuple(faults)
-        kind = rng.choices(names, weights)[0]
+    for t, kind in _moments(rng, seconds, FAULT_GAP, KINDS):
         if kind.startswith("consumer_"):
             slot = rng.choice(SLOTS[:4])
         elif kind.startswith("writer_"):
@@ -118,24 +136,30 @@ def _faults(rng: random.Random, seconds: float) -> tuple[Fault, ...]:
         pause = round(rng.uniform(1.0, 8.0) if kind.endswith("_stop")
                       else rng.uniform(0.2, 3.0), 2)  # stopped for, or down before restart
         roles = rng.choice((("consumer",), ("writer",), ("consumer", "writer")))
-        faults.append(Fault(round(t, 3), kind, slot, pause, round(rng.uniform(0.3, 1.0), 2),
+        faults.append(Fault(t, kind, slot, pause, round(rng.uniform(0.3, 1.0), 2),
                             roles if kind == "pg_terminate" else ()))
+    return tuple(faults)
 
 
 def _more(rng: random.Random, seconds: float) -> tuple[Fault, ...]:
     faults: list[Fault] = []
-    t = 2.0
-    names, weights = list(MORE_KINDS), list(MORE_KINDS.values())
-    while True:
-        t += rng.expovariate(1 / MORE_GAP)
-        if t >= seconds:
-            return tuple(faults)
-        kind = rng.choices(names, weights)[0]
+    for t, kind in _moments(rng, seconds, MORE_GAP, MORE_KINDS):
         if kind == "consumer_skew":  # skewed for a while, then restarted with a good clock
-            faults.append(Fault(round(t, 3), kind, rng.choice(SLOTS[:4]),
+            faults.append(Fault(t, kind, rng.choice(SLOTS[:4]),
                                 round(rng.uniform(5.0, 12.0), 2),
                                 skew=round(rng.uniform(*SKEW) * rng.choice((1, -1)), 1)))
             continue
         pool = BAD_MESSAGES if kind == "bad_message" else BAD_TRIGGERS
         picked = tuple(v for v in pool if rng.random() < 0.5) or (rng.choice(pool),)
-        faults.append(Fault(round(t, 3), kind, variants=picked, team=rng.choice(TEAMS)))
+        faults.append(Fault(t, kind, variants=picked, team=rng.choice(TEAMS)))
+    return tuple(faults)
+
+
+def _cluster(rng: random.Random, seconds: float) -> tuple[Fault, ...]:
+    faults: list[Fault] = []
+    for t, kind in _moments(rng, seconds, CLUSTER_GAP, CLUSTER_KINDS):
+        if kind == "pg_promote":  # promoted this long after the primary stopped
+            faults.append(Fault(t, kind, seconds=round(rng.uniform(0.5, 3.0), 2)))
+        else:
+            faults.append(Fault(t, kind, rng.choice(NODES), round(rng.uniform(2.0, 10.0), 2)))
+    return tuple(faults)

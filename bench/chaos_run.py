@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from bench.chaos_cluster import Cluster
     from bench.chaos_faults import EventTap, Fleet
     from bench.chaos_plan import Plan
     from bench.harness import Bench
@@ -28,16 +29,17 @@ def json_or_none(value: str | None) -> Any:
 
 
 async def nemesis(plan: Plan, fleet: Fleet, tap: EventTap, cluster: PostgresCluster,
-                   t0: float, record: list[dict[str, Any]]) -> None:
+                  t0: float, record: list[dict[str, Any]],
+                  servers: Cluster | None = None) -> None:
     """Each fault at its moment, as its own task: faults overlap (a stopped writer while a
-    consumer is killed and PostgreSQL restarts)."""
+    consumer is killed and PostgreSQL restarts). ``servers``: ``--topology cluster``'s."""
     from bench.chaos_faults import cause
 
     rng = random.Random(f"{plan.seed}/replay")
     running = []
 
     async def one(fault: Any) -> None:
-        result = await cause(fault, fleet, tap, cluster, rng, t0)
+        result = await cause(fault, fleet, tap, cluster, rng, t0, servers)
         record.append(result)
         fleet.b.log(f"fault {fault.kind} {fault.slot} at +{result['offset']:.1f}s: "
                     f"{result['witness']}")

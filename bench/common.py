@@ -215,10 +215,9 @@ def _shape(sql: str) -> str:
 
 
 def _with_user(dsn: str, user: str) -> str:
-    from sqlalchemy.engine import make_url
+    from triggerflow.store.postgres.urls import parse, render
 
-    url = make_url(dsn).set(username=user, password=None)
-    return url.render_as_string(hide_password=False)
+    return render(parse(dsn).set(username=user, password=None))  # one host or several
 
 
 def _proc_rss(pid: int) -> int:

@@ -74,6 +74,39 @@ class Replicated:
             f"127.0.0.1:{self.standby.port}/{database}?target_session_attrs=read-write"
         )
 
+    def fail_over(self, delay: float) -> None:
+        """The primary dies (SIGKILL, as its host would) and, ``delay`` s later, its standby
+        is promoted, as an HA manager would: the two swap roles, ``dsn`` finds the new one."""
+        self.primary.kill()
+        time.sleep(delay)
+        self.standby.promote()
+        self.primary, self.standby = self.standby, self.primary
+
+    def rejoin(self) -> None:
+        """After ``fail_over``: the old primary comes back as a fresh standby of the new one,
+        on its own port (what Patroni's reinit does). Commits wait for it again only after
+        ``synchronous_again``: the copy carries an empty ``synchronous_standby_names``."""
+        old = self.standby
+        shutil.rmtree(old.data, ignore_errors=True)
+        self.standby = self.primary.start_standby(old.root, old.port)
+
+
+async def synchronous_again(pg: Replicated, within: float = 120.0) -> None:
+    """Once the standby streams, make the primary's commits wait for it again (``ALTER
+    SYSTEM``: the standby copied before it keeps an empty list, for its own promotion)."""
+    conn = await asyncpg.connect(f"{pg.primary.url}/postgres")
+    try:
+        deadline = time.monotonic() + within
+        while not await conn.fetchval(
+                "SELECT count(*) FROM pg_stat_replication WHERE state = 'streaming'"):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no standby streaming from port {pg.primary.port}")
+            await asyncio.sleep(0.2)
+        await conn.execute("ALTER SYSTEM SET synchronous_standby_names = '*'")
+        await conn.execute("SELECT pg_reload_conf()")
+    finally:
+        await conn.close()
+
 
 @contextlib.contextmanager
 def replicated_postgres() -> Iterator[Replicated]:

@@ -159,19 +159,20 @@ class PostgresCluster:
         if (self.data / "postmaster.pid").exists():
             self._ctl("stop", "-m", "immediate", timeout=60)
 
-    def start_standby(self, root: Path) -> PostgresCluster:
-        """A streaming standby of this (running) cluster under ``root``, on a port of its own.
+    def start_standby(self, root: Path, port: int | None = None) -> PostgresCluster:
+        """A streaming standby of this (running) cluster under ``root``, on a port of its own
+        (or ``port``: a server that comes back as a standby where clients look for it).
 
         ``pg_basebackup -R`` copies the data directory with this cluster's settings and writes
         ``standby.signal`` and ``primary_conninfo``; the standby's own port, socket directory
         and an empty ``synchronous_standby_names`` are appended (once promoted it has no
         standby of its own to wait for: with the primary's ``'*'`` every commit would hang)."""
-        standby = PostgresCluster(root, user=self.user)
+        standby = PostgresCluster(root, port or free_port(), user=self.user)
         root.mkdir(parents=True, exist_ok=True)
         _chown_tree(root, self.user)
         _run([*_as_user(self.user), str(pg_bin() / "pg_basebackup"), "-D", str(standby.data),
               "-h", "127.0.0.1", "-p", str(self.port), "-U", "postgres", "-R", "-X", "stream",
-              "--no-sync"])
+              "--no-sync", "--checkpoint=fast"])  # not a spread checkpoint: minutes under load
         with open(standby.data / "postgresql.conf", "a") as f:
             f.write(f"\n# testbed/services.py: standby\nport = {standby.port}\n"
                     f"unix_socket_directories = '{root}'\nsynchronous_standby_names = ''\n")

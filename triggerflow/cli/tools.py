@@ -69,15 +69,19 @@ def register(main: click.Group) -> None:
     @click.option("--mode", type=click.Choice(["native", "airflow"]), default="native",
                   show_default=True, help="`chaos`: which mode it runs (airflow: against a fresh Airflow "
                   "metadata database).")
+    @click.option("--topology", type=click.Choice(["single", "cluster"]), default="single",
+                  show_default=True, help="`chaos`: the servers it starts (cluster: a "
+                  "PostgreSQL standby and 3 RabbitMQ nodes, and faults that promote the "
+                  "standby and stop a node).")
     @settings_options(*connection)
     def bench(scenarios: tuple[str, ...], quick: bool, zone_triggers: int | None,
               repeats: int | None, seed: int | None, minutes: float, mode: str,
-              **values: Any) -> None:
+              topology: str, **values: Any) -> None:
         """Benchmark against the real broker and database; prints a table per scenario."""
         run_bench = from_checkout("bench").run_bench
         sys.exit(run_bench(build_settings(values, every_variable=True), list(scenarios), quick,
                            zone_triggers=zone_triggers, repeats=repeats, seed=seed,
-                           minutes=minutes, mode=mode))
+                           minutes=minutes, mode=mode, topology=topology))
 
     @main.group()
     def docs() -> None:
