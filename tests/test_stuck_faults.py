@@ -323,7 +323,7 @@ async def test_a_claim_whose_reply_was_cut_off_still_runs_its_triggers(
         me = await consumer_id(db, c)
         await wait_until(lambda: db.fetchval(
             "SELECT subscribed FROM consumer WHERE id = $1", me), 30, message="subscribed")
-        proxy.hold_replies(b"WITH candidate AS")  # the claim's text, sent as it is prepared
+        proxy.hold_replies(b"), candidate AS (")  # the claim's text, sent as it is prepared
         ids = await client.defer_many(timers(n, 3.0, q))
         await asyncio.wait_for(proxy.held.wait(), 15)
         await wait_until(lambda: db.fetchval(  # committed: ours in the store, reply held
