@@ -267,12 +267,6 @@ def uses_services(item: pytest.Item) -> bool:
     return any(params.get(name) in values for name, values in SERVICE_PARAMS.items())
 
 
-def uses_airflow_database(item: pytest.Item) -> bool:
-    params = getattr(getattr(item, "callspec", None), "params", {})
-    return "airflow_template" in getattr(item, "fixturenames", ()) or params.get(
-        "store_kind") == "airflow"
-
-
 def has_module_fixture(item: pytest.Item) -> bool:
     info = getattr(item, "_fixtureinfo", None)
     defs = info.name2fixturedefs.values() if info is not None else ()
@@ -282,19 +276,17 @@ def has_module_fixture(item: pytest.Item) -> bool:
 def xdist_group(item: pytest.Item) -> str | None:
     """The worker group of a test under ``pytest -n N --dist loadgroup`` (``make test``).
     Each worker is a session of its own, with its own PostgreSQL and RabbitMQ (``services``
-    is session-scoped), so a test that restarts them disturbs only its worker. Grouped:
-    the tests on an Airflow template database (``airflow db migrate`` takes tens of seconds
-    of CPU: once, on one worker, not on each), and a module whose module-scoped fixture
-    (a rendered chart, a 3-node cluster) would otherwise be set up on every worker."""
-    if uses_airflow_database(item):
-        return "airflow"
+    is session-scoped), so a test that restarts them disturbs only its worker. Grouped: a
+    module whose module-scoped fixture (a chaos run, a rendered chart, a 3-node cluster)
+    would otherwise be set up on every worker. The tests on an Airflow template database are
+    not: a stage of nothing else (``make test-airflow-3.2``) would run on one worker."""
     if has_module_fixture(item):
         return item.nodeid.split("::", 1)[0]
     return None
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Mark the tests that use no service (no ``services`` fixture, however indirect):
     ``make check`` runs them alone, in seconds. Before the contract suite's PostgreSQL and
     Airflow cases were recognised here, ``-m inprocess`` started the services for them."""
@@ -304,6 +296,19 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         group = xdist_group(item)
         if group is not None:
             item.add_marker(pytest.mark.xdist_group(group))
+            if config.getoption("loadgroup", False):
+                _name_group(item, group)
+
+
+def _name_group(item: pytest.Item, group: str) -> None:
+    """What ``--dist loadgroup`` schedules by: the group after an ``@`` in the test's id.
+    pytest-xdist 3.8 writes it to ``Item._nodeid``, which pytest 9 no longer reads (the id
+    is ``Item._id``), so every group was split across the workers; written here in the form
+    this pytest reads. The scheduler groups by id alone, so the test's own run is unchanged."""
+    if hasattr(item, "_id"):  # pytest 9 (pytest 8's ``_nodeid`` is xdist's own to write)
+        from _pytest.nodeid import NodeId
+
+        item._id = NodeId.parse(f"{item.nodeid}@{group}")
 
 
 CALL_FAILED = pytest.StashKey[bool]()  # set per test by the hook below, read by ``procs``
