@@ -145,10 +145,8 @@ async def _run(settings: Settings, plan: Plan, console: Console, mode: str,
     report = check(history)
     console.log(f"history: {path} (check it again: python -m bench.chaos_check {path}); "
                 f"process logs in {out}")
-    if plan.seconds >= 600 and mode == "native" and topology == "single":  # a long run is
-        # a result; a short one judges nothing (Airflow mode's and the cluster topology's
-        # have no table of their own yet)
-        _record(plan, report)
+    if plan.seconds >= 600:  # a long run is a result; a short one judges nothing
+        _record(plan, report, mode, topology)
     return report
 
 
@@ -290,13 +288,22 @@ async def _final(b: Bench, queues: dict[str, str]) -> dict[str, Any]:
             "dead_letters": await retry(b, lambda _: dead_letters(b))}
 
 
-def _record(plan: Plan, report: Report) -> None:
+# Each mode and topology keeps its own latest long run (bench/results.json).
+RESULT_NAMES = {("native", "single"): "chaos", ("native", "cluster"): "chaos-cluster",
+                ("airflow", "single"): "chaos-airflow"}
+SETUPS = {"chaos": "native mode, one PostgreSQL, one RabbitMQ node",
+          "chaos-cluster": "native mode, PostgreSQL with a synchronous standby, 3 RabbitMQ nodes",
+          "chaos-airflow": "Airflow mode on an Airflow 3.3.2 metadata database"}
+
+
+def _record(plan: Plan, report: Report, mode: str, topology: str) -> None:
     from rich.table import Table
 
     from bench.results import record
 
-    t = Table(title=f"Chaos: seed {plan.seed}, {plan.seconds / 60:g} minutes of faults "
-              "over 2 team queues (2 consumers each) and 2 writers")
+    name = RESULT_NAMES[(mode, topology)]
+    t = Table(title=f"Chaos ({SETUPS[name]}): seed {plan.seed}, {plan.seconds / 60:g} minutes "
+              "of faults over 2 team queues (2 consumers each) and 2 writers")
     for col in ("fault kind", "caused", "bound after it ended"):
         t.add_column(col, justify="right")
     for kind, n in sorted(report.faults_by_kind.items()):
@@ -306,4 +313,4 @@ def _record(plan: Plan, report: Report) -> None:
                  f"(documented); {report.late_over} past their bound. Left after the drain: "
                  f"{report.left_triggers} trigger rows, {report.left_messages} messages (exit "
                  f"{0 if report.ok else 1}). " + report.lines()[-1])
-    record("chaos", [t])
+    record(name, [t])

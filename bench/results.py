@@ -28,7 +28,8 @@ RESULTS = CHECKOUT / "bench" / "results.json"
 PAGE = CHECKOUT / "docs" / "performance-results.md"
 # The page's order: the native scenarios as `triggerflow bench` runs them, then Airflow
 # mode's, then the fault schedule's check (`bench chaos`, run alone).
-ORDER = (*SCENARIOS, "airflow", "airflow-million", "airflow-waits", "chaos")
+ORDER = (*SCENARIOS, "airflow", "airflow-million", "airflow-waits", "chaos", "chaos-cluster",
+         "chaos-airflow")
 
 
 def _plain(cell: Any) -> str:
