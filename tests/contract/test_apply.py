@@ -174,6 +174,17 @@ async def test_cancel_moves_the_task_and_drops_unowned_triggers_at_once(
     assert await store.cancel([free, orphaned, held], "removed") == []
 
 
+async def test_an_id_named_twice_is_cancelled_once(backend: Backend) -> None:
+    only(backend, "memory", "postgres",
+         why="in Airflow mode tasks are cleared or marked through Airflow (no DeferralStore role)")
+    held, owner = await claimed(backend)
+    free = await backend.defer(A)
+    result = sorted(await backend.store.cancel([held, free, held, free], "removed"),
+                    key=lambda c: c.id)
+    assert [(c.id, c.owner, c.moved) for c in result] == sorted(
+        [(held, owner, True), (free, None, True)])
+
+
 async def test_cancelling_a_task_that_already_left_deferred_moves_nothing(
     backend: Backend,
 ) -> None:

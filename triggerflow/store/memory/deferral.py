@@ -50,7 +50,7 @@ class MemoryDeferrals(MemoryState):
 
     async def cancel(self, ids: Sequence[int], state: str) -> list[Cancelled]:
         out = []
-        for trigger_id in ids:
+        for trigger_id in dict.fromkeys(ids):  # each once, as the SQL's ANY() does
             task = self._task_on(trigger_id)
             moved = task is not None and task.state == TaskState.DEFERRED
             if task is not None and moved:

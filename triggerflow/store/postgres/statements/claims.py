@@ -7,7 +7,8 @@ from triggerflow.store.interface import SUSPECT_FAILURES
 _CLAIM_COLUMNS = """
     c.id, c.attempt, c.classpath, c.kwargs, c.queue, c.failures, c.traceparent,
     extract(epoch FROM c.timeout_at)::float8 AS timeout_at,
-    format('%s.%s@%s', ti.dag_id, ti.task_id, ti.run_id) AS task
+    CASE WHEN ti.task_id IS NOT NULL  -- NULL once the task left (a cancel the owner has yet to sweep)
+        THEN format('%s.%s@%s', ti.dag_id, ti.task_id, ti.run_id) END AS task
 """
 
 # A claim takes nothing once the claimer's own lease is over in the database (a peer ended it,
