@@ -312,5 +312,7 @@ def _record(plan: Plan, report: Report, mode: str, topology: str) -> None:
                  f"cancelled, {report.superseded} superseded, {report.failed} failed "
                  f"(documented); {report.late_over} past their bound. Left after the drain: "
                  f"{report.left_triggers} trigger rows, {report.left_messages} messages (exit "
-                 f"{0 if report.ok else 1}). " + report.lines()[-1])
+                 f"{0 if report.ok else 1}). " + (f"Bad input: {report.bad_sent} sent, "
+                 f"{report.bad_refused} refused, dead-lettered or quarantined as documented. "
+                 if report.bad_sent else "") + report.lines()[-1])
     record(name, [t])
