@@ -52,5 +52,9 @@ async def test_the_node_of_the_writer_and_a_consumer_stopping_mid_burst_loses_no
     assert len(run.applies) == 3_000 and run.applied_twice == 0, run.applies.most_common(3)
     assert run.dead_lettered == 0
     assert run.alive, "a process died with the node\n" + where
-    for name in ("writer", "near"):
-        assert "broker connection lost; reconnecting" in run.logs[name], where
+    assert "broker connection lost; reconnecting" in run.logs["writer"], where
+    # The near consumer reacts to the node's loss one of two ways, whichever it sees first:
+    # its session's check finds the connection closed, or its renewal finds that a peer
+    # already ended its lease on the broker's word (presence) and it re-registers afresh.
+    assert ("broker connection lost; reconnecting" in run.logs["near"]
+            or "lease lost (lease had expired in the database)" in run.logs["near"]), where
