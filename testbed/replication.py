@@ -88,6 +88,11 @@ class Replicated:
         ``synchronous_again``: the copy carries an empty ``synchronous_standby_names``."""
         old = self.standby
         shutil.rmtree(old.data, ignore_errors=True)
+        # The SIGKILLed postmaster left its socket's lock file; should its pid be reused by
+        # the time we start (a busy machine), the new server would take it for a live
+        # postmaster and refuse to start.
+        for stale in old.root.glob(".s.PGSQL.*"):
+            stale.unlink(missing_ok=True)
         self.standby = self.primary.start_standby(old.root, old.port)
 
 

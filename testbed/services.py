@@ -122,9 +122,13 @@ class PostgresCluster:
         return f"postgresql://postgres@127.0.0.1:{self.port}"
 
     def _ctl(self, *args: str, timeout: float = START_TIMEOUT) -> None:
-        _run([*_as_user(self.user), str(pg_bin() / "pg_ctl"), "-D", str(self.data),
-              "-l", str(self.root / "postgres.log"), "-w", "-t", str(int(timeout)), *args],
-             timeout=timeout + 10)
+        log = self.root / "postgres.log"
+        try:
+            _run([*_as_user(self.user), str(pg_bin() / "pg_ctl"), "-D", str(self.data),
+                  "-l", str(log), "-w", "-t", str(int(timeout)), *args], timeout=timeout + 10)
+        except RuntimeError as exc:  # pg_ctl only says "examine the log output"
+            tail = log.read_text(errors="replace")[-2000:] if log.exists() else "(no log)"
+            raise RuntimeError(f"{exc}\n--- {log}:\n{tail}") from exc
 
     def start(self) -> PostgresCluster:
         self.root.mkdir(parents=True, exist_ok=True)

@@ -144,6 +144,44 @@ async def test_each_consumer_claims_takes_over_resends_and_probes_only_its_teams
     assert on_probation == {team: {suspects[team]} for team in (ALPHA, BETA, None)}
 
 
+async def test_another_teams_row_is_handed_on_only_while_a_consumer_of_its_team_serves_it(
+        teamed: tuple[str, asyncpg.Connection], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The broker gives a shared queue's wake-ups to its consumers in turn, whatever their
+    team: ALPHA's consumer, delivered BETA's row, claims nothing and hands it on (``elsewhere``)
+    while a live, subscribed consumer of BETA serves the queue; never once BETA's holds it,
+    nor while no consumer of BETA could take it (it would circle among ALPHA's)."""
+    dsn, conn = teamed
+    monkeypatch.setenv(MULTI_TEAM, "True")
+    row = await team_row(conn, "beta-row", BETA)
+    alpha, alpha_id = await consumer_store(dsn, ALPHA)
+    beta, beta_id = await consumer_store(dsn, BETA)
+
+    async def handed_on() -> list[int]:
+        found = await alpha.claim(alpha_id, [row], [Q])
+        assert found.claimed == [] and found.refused == [] and found.suspects == []
+        return [ref.id for ref in found.elsewhere]
+
+    async def beta_is(**state: bool) -> None:
+        await conn.execute(f"UPDATE {SCHEMA}.consumer SET subscribed = $2, warming = $3 "
+                           "WHERE id = $1", beta_id, state["subscribed"], state["warming"])
+    try:
+        await beta_is(subscribed=False, warming=False)
+        unsubscribed = await handed_on()
+        await beta_is(subscribed=True, warming=True)
+        warming = await handed_on()
+        await beta_is(subscribed=True, warming=False)
+        serving = await handed_on()
+        assert await claimed_by(beta, beta_id, [row]) == {row}
+        held = await handed_on()
+        await conn.execute(f"UPDATE {SCHEMA}.consumer SET expires_at = now() - interval '1 s' "
+                           "WHERE id = $1", beta_id)
+        dead = await handed_on()
+    finally:
+        await alpha.close()
+        await beta.close()
+    assert (unsubscribed, warming, serving, held, dead) == ([], [], [row], [], [])
+
+
 async def test_a_class_no_consumer_of_its_team_can_load_fails_its_task(
         teamed: tuple[str, asyncpg.Connection], monkeypatch: pytest.MonkeyPatch) -> None:
     """A consumer of another team on the queue cannot load the row for it (it never claims
@@ -284,7 +322,8 @@ async def test_real_consumers_of_a_team_run_only_its_rows(
     """``writer --airflow`` and ``consume --airflow --team`` processes on one queue (the
     suite's broker and an Airflow 3.3.2 database): ALPHA's consumer runs ALPHA's row and
     never claims BETA's, whose wake-up it received; BETA's consumer, started later, runs it
-    (the writer's backstop sends the wake-up again)."""
+    (the writer's backstop sends the wake-up again, and ALPHA's consumer, delivered it, hands it on
+    now that BETA's serves the queue)."""
     monkeypatch.setenv(MULTI_TEAM, "True")  # the processes read Airflow's configuration
     await af.scalar(served.dsn, "INSERT INTO team (name) VALUES ($1), ($2)", ALPHA, BETA)
     served.procs.writer()

@@ -400,3 +400,35 @@ async def test_topology_apply_over_the_shared_exchanges_keeps_old_publishers_del
     async def both() -> bool:
         return await broker.ready(ML) == 2
     await wait_until(both, 5, message="both wake-ups in team-ml's queue")
+
+
+async def queue_type(broker: Broker, queue: str) -> str:
+    base = URL(broker.management)
+    url = f"http://{base.host}:{base.port}/api/queues/{broker.vhost}/{queue}"
+    async with httpx.AsyncClient(auth=(base.user or "", base.password or "")) as http:
+        return str((await http.get(url)).json()["type"])
+
+
+async def test_topology_apply_makes_an_older_classic_dead_letter_queue_quorum_losing_nothing(
+    broker: Broker, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The dead-letter queue is a quorum queue (a classic one lives on one node and drops what
+    is filed while that node is down). A classic one left by an older version is replaced
+    only when empty: one that holds dead letters is kept, with a warning, until they are read."""
+    topo = broker.admin.topology
+    assert await queue_type(broker, topo.dead_queue) == "quorum"
+    async with raw_channel(broker.admin.url) as ch:
+        await ch.queue_delete(topo.dead_queue)
+        old = await ch.declare_queue(topo.dead_queue, durable=True)  # as older versions did
+        await old.bind(topo.dead, "#")
+    await broker.admin.dead_letter(b"kept", "an older dead letter", source=ML)
+    await broker.admin.declare([ML, DE])
+    assert await queue_type(broker, topo.dead_queue) == "classic"
+    assert "classic queue holding 1 dead letters" in caplog.text
+    [kept] = await dead_letters(broker, 1)
+    assert kept.body == b"kept"
+    await broker.admin.declare([ML, DE])
+    assert await queue_type(broker, topo.dead_queue) == "quorum"
+    await broker.admin.dead_letter(b"new", "a dead letter after the upgrade", source=ML)
+    [new] = await dead_letters(broker, 1)
+    assert new.body == b"new"

@@ -259,9 +259,8 @@ def test_a_full_run_replaces_its_scenarios_record_and_rewrites_the_page(tmp_path
 
 
 def test_the_results_name_only_scenarios_the_bench_runs() -> None:
-    from bench.common import SCENARIOS
-
     from bench.chaos import RESULT_NAMES
+    from bench.common import SCENARIOS
 
     assert set(json.loads(RESULTS.read_text())) <= {*SCENARIOS, "airflow", "airflow-million",
                                                     "airflow-waits", *RESULT_NAMES.values()}

@@ -200,6 +200,8 @@ class AirflowStore(SqlStore):
                 claimed.append(row)
             elif row["outcome"] == "suspect":
                 result.suspects.append(row["id"])
+            elif row["outcome"] == "elsewhere":
+                result.elsewhere.append(TriggerRef(row["id"], row["queue"]))
             else:
                 result.refused.append(TriggerRef(row["id"], row["queue"]))
         result.claimed.extend(await self._specs(claimed))

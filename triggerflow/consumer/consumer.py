@@ -275,6 +275,8 @@ class Consumer:
             self.probation.suspects.set()
         if found.refused:  # we cannot load these: back to the queue for a consumer that can
             self.background.spawn(self.starter.pass_on(found.refused))
+        if found.elsewhere:  # another team's, whose consumer is next in the broker's turn
+            self.background.spawn(self.starter.hand_on(found.elsewhere))
         await self.starter.start_all(found.claimed)
 
     def _on_fired(self, helds: Sequence[Held]) -> None:

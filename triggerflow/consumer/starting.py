@@ -28,6 +28,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# Seconds before another team's rows are handed on (``Starter.hand_on``).
+HAND_ON_PAUSE = 0.05
+
 
 class Starter:
     """Starts what a claim, a take-over or probation made ours."""
@@ -118,6 +121,15 @@ class Starter:
             msg = f"{reason}; no consumer of queue {held.queue} can load it (last: {self.lease.me})"
             log.warning("%s", msg, extra=held.log_context())
             self.outcomes.emit(held, EventKind.FAIL, failure(FailureReason.TRIGGER_UNLOADABLE, msg))
+
+    async def hand_on(self, refs: list[TriggerRef]) -> None:
+        """Wake the queue again for rows of another Airflow team, whose live consumer shares
+        it: the broker gives each wake-up to the next consumer in turn, whatever its team.
+        A short pause bounds the round trips while the lease table still shows a consumer
+        that has just gone."""
+        await asyncio.sleep(HAND_ON_PAUSE)
+        if not self.admission.stopping:
+            await self.republish(refs)
 
     async def pass_on(self, refs: list[TriggerRef]) -> None:
         """Refused here before: fail what no live consumer may load, pass the rest on."""

@@ -103,12 +103,15 @@ class ClaimResult:
 
     ``claimed`` now run here (attempt raised, owner = me). ``suspects`` were lost
     ungracefully before and wait to run on probation. ``refused`` are triggers this process
-    said it cannot load: pass them on to another consumer of their queue.
+    said it cannot load: pass them on to another consumer of their queue. ``elsewhere``
+    (Airflow's teams) are rows of another team that a live consumer of theirs serves on the
+    same queue: the broker shares a queue's wake-ups among all its consumers, so hand them on.
     """
 
     claimed: list[TriggerSpec] = field(default_factory=list)
     suspects: list[int] = field(default_factory=list)
     refused: list[TriggerRef] = field(default_factory=list)
+    elsewhere: list[TriggerRef] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)

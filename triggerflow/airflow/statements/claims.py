@@ -53,7 +53,7 @@ WITH {MY_LEASE}, candidate AS MATERIALIZED (
     SELECT c.* FROM (SELECT DISTINCT unnest($2::int[]) AS id) AS want CROSS JOIN LATERAL (
         SELECT t.id, coalesce(t.queue, $4) AS queue, coalesce(s.failures, 0) AS failures,
                coalesce($1 = ANY(s.rejected_by), false) AS refused,
-               s.owner_id IS NULL AS unowned
+               s.owner_id IS NULL AS unowned, {in_team("t.team_name", 5)} AS ours
         FROM "trigger" t
         LEFT JOIN {SCHEMA}.trigger_state s ON s.trigger_id = t.id
         WHERE t.id = want.id AND coalesce(t.queue, $4) = ANY($3::text[])
@@ -62,12 +62,13 @@ WITH {MY_LEASE}, candidate AS MATERIALIZED (
           AND (s.owner_id IS NULL OR NOT EXISTS (
                 SELECT 1 FROM {SCHEMA}.consumer o
                 WHERE o.id = s.owner_id AND o.expires_at > now()))
-          AND {LIVE} AND {in_team("t.team_name", 5)} AND EXISTS (SELECT 1 FROM me)
+          AND {LIVE} AND EXISTS (SELECT 1 FROM me)
         OFFSET 0
     ) AS c
 ), claimed AS (
     INSERT INTO {SCHEMA}.trigger_state AS s (trigger_id, owner_id, attempt, claimed_at)
-    SELECT id, $1, 1, now() FROM candidate WHERE failures < {SUSPECT_FAILURES} AND NOT refused ORDER BY id
+    SELECT id, $1, 1, now() FROM candidate
+    WHERE ours AND failures < {SUSPECT_FAILURES} AND NOT refused ORDER BY id
     ON CONFLICT (trigger_id) DO UPDATE
         SET owner_id = $1, attempt = s.attempt + 1, claimed_at = now()
         WHERE s.quarantined_at IS NULL AND s.failures < {SUSPECT_FAILURES} AND NOT ($1 = ANY(s.rejected_by))
@@ -81,9 +82,18 @@ FROM claimed c JOIN "trigger" t ON t.id = c.trigger_id
 LEFT JOIN task_instance ti ON ti.trigger_id = t.id AND coalesce(ti.state, '') = 'deferred'
 UNION ALL
 SELECT id, 0, '', '', queue, NULL, NULL, 'suspect' FROM candidate
-WHERE failures >= {SUSPECT_FAILURES} AND NOT refused
+WHERE ours AND failures >= {SUSPECT_FAILURES} AND NOT refused
 UNION ALL
-SELECT id, 0, '', '', queue, NULL, NULL, 'refused' FROM candidate WHERE refused AND unowned
+SELECT id, 0, '', '', queue, NULL, NULL, 'refused' FROM candidate WHERE ours AND refused AND unowned
+UNION ALL
+-- Another team's row, delivered here because the broker shares a queue's wake-ups among all
+-- its consumers: to be handed on while a live, subscribed consumer of that team serves it.
+SELECT c.id, 0, '', '', c.queue, NULL, NULL, 'elsewhere'
+FROM candidate c JOIN "trigger" t ON t.id = c.id
+WHERE NOT c.ours AND c.unowned AND EXISTS (
+    SELECT 1 FROM {SCHEMA}.consumer o
+    WHERE o.kind = 'consumer' AND o.expires_at > now() AND o.subscribed AND NOT o.warming
+      AND c.queue = ANY(o.queues) AND {consumer_serves("o", "t")})
 """
 
 CLAIM_PROBATION = f"""
