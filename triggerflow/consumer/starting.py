@@ -129,6 +129,7 @@ class Starter:
         that has just gone."""
         await asyncio.sleep(HAND_ON_PAUSE)
         if not self.admission.stopping:
+            self.metrics.released.add(len(refs), {"cause": "other_team"})
             await self.republish(refs)
 
     async def pass_on(self, refs: list[TriggerRef]) -> None:
