@@ -161,25 +161,32 @@ async def test_another_teams_row_is_handed_on_only_while_a_consumer_of_its_team_
         assert found.claimed == [] and found.refused == [] and found.suspects == []
         return [ref.id for ref in found.elsewhere]
 
-    async def beta_is(**state: bool) -> None:
-        await conn.execute(f"UPDATE {SCHEMA}.consumer SET subscribed = $2, warming = $3 "
-                           "WHERE id = $1", beta_id, state["subscribed"], state["warming"])
+    async def beta_is(subscribed: bool = True, warming: bool = False, queue: str = Q,
+                      expired: bool = False) -> None:
+        await conn.execute(
+            f"UPDATE {SCHEMA}.consumer SET subscribed = $2, warming = $3, queues = $4, "
+            "expires_at = now() + CASE WHEN $5 THEN interval '-1 s' ELSE interval '60 s' END "
+            "WHERE id = $1", beta_id, subscribed, warming, [queue], expired)
     try:
-        await beta_is(subscribed=False, warming=False)
+        await beta_is(subscribed=False)
         unsubscribed = await handed_on()
-        await beta_is(subscribed=True, warming=True)
+        await beta_is(warming=True)
         warming = await handed_on()
-        await beta_is(subscribed=True, warming=False)
+        await beta_is(queue="another-queue")
+        elsewhere = await handed_on()
+        await beta_is(expired=True)
+        gone = await handed_on()
+        await beta_is()
         serving = await handed_on()
         assert await claimed_by(beta, beta_id, [row]) == {row}
         held = await handed_on()
-        await conn.execute(f"UPDATE {SCHEMA}.consumer SET expires_at = now() - interval '1 s' "
-                           "WHERE id = $1", beta_id)
-        dead = await handed_on()
+        await beta_is(expired=True)
+        dead_owner = await handed_on()  # its take-over is the reaper's, not a hand-on
     finally:
         await alpha.close()
         await beta.close()
-    assert (unsubscribed, warming, serving, held, dead) == ([], [], [row], [], [])
+    assert (unsubscribed, warming, elsewhere, gone) == ([], [], [], [])
+    assert (serving, held, dead_owner) == ([row], [], [])
 
 
 async def test_a_class_no_consumer_of_its_team_can_load_fails_its_task(

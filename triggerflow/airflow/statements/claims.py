@@ -86,11 +86,12 @@ WHERE ours AND failures >= {SUSPECT_FAILURES} AND NOT refused
 UNION ALL
 SELECT id, 0, '', '', queue, NULL, NULL, 'refused' FROM candidate WHERE ours AND refused AND unowned
 UNION ALL
--- Another team's row, delivered here because the broker shares a queue's wake-ups among all
--- its consumers: to be handed on while a live, subscribed consumer of that team serves it.
+-- Another team's row (free, or held by a dead owner), delivered here because the broker
+-- shares a queue's wake-ups among all its consumers: to be handed on while a live,
+-- subscribed consumer of that team serves the queue.
 SELECT c.id, 0, '', '', c.queue, NULL, NULL, 'elsewhere'
 FROM candidate c JOIN "trigger" t ON t.id = c.id
-WHERE NOT c.ours AND c.unowned AND EXISTS (
+WHERE NOT c.ours AND EXISTS (
     SELECT 1 FROM {SCHEMA}.consumer o
     WHERE o.kind = 'consumer' AND o.expires_at > now() AND o.subscribed AND NOT o.warming
       AND c.queue = ANY(o.queues) AND {consumer_serves("o", "t")})
