@@ -94,7 +94,8 @@ class AirflowBackend:
                        args=(retries, trigger_id))
 
     async def race(self, meanwhile: Meanwhile, call: Callable[[], Awaitable[T]]) -> T:
-        return await race_in_sql(self.dsn, lambda pool: AirflowStore(pool, self.dsn),
+        return await race_in_sql(self.dsn, lambda pool: AirflowStore(
+            pool, self.dsn, release=self.airflow.airflow_release),
                                  meanwhile, call)
 
     @contextlib.asynccontextmanager
