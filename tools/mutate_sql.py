@@ -104,6 +104,47 @@ class PolicyTarget:
         mutate_policies.put(self.server, self.template, self.table, self.policy, text)
 
 
+@dataclass(frozen=True)
+class TemplateTarget:
+    """An ownership statement both SQL stores render from one template
+    (``store.postgres.statements.ownership``): each mutant of the template is rendered for
+    both and put in place in both stores' statement modules, and the cases of both stores
+    that call it run against it."""
+
+    name: str
+    store: str = "shared"
+
+    @property
+    def template(self) -> Any:
+        return _load(OWNERSHIP).TEMPLATES[self.name]
+
+    def get(self) -> str:
+        return str(self.template.sql)
+
+    def mutants(self, original: str) -> list[Mutant]:
+        return mutants(original)
+
+    def changes(self, store: str, text: str) -> bool:
+        """Whether mutant ``text`` renders differently for ``store``: dropping a hook native
+        mode renders ``true`` (the Airflow team filter) leaves its statement as it was."""
+        book = _load(RENDERED[store][1])
+
+        def plain(sql: str) -> str:
+            return re.sub(r"\s+", " ", re.sub(r"\s(AND true|true AND)\b", " ", sql)).strip()
+        return plain(book.render(self.template.mutated(text))) != plain(book.render(self.template))
+
+    def set(self, text: str) -> None:
+        template = self.template.mutated(text)
+        for store, (modules, book) in RENDERED.items():
+            rendered = _load(book).render(template)  # a mangled template: KeyError, ValueError
+            for module in modules:
+                if hasattr(_load(module), self.name):
+                    setattr(_load(module), self.name, rendered)
+                    break
+            else:
+                raise AssertionError(f"no {store} statement module has {self.name}")
+
+
 _FIXTURES = pytest.StashKey[dict[str, str]]()
 
 
@@ -123,16 +164,22 @@ def _parts(path: str) -> tuple[str, str, str]:
     return m.group(1), m.group(2) or "", m.group(3) or ""
 
 
-TARGETS: list[Target] = [
+OWNERSHIP = NATIVE + "ownership"
+# Where each store's renderings of the ownership templates live, and its bookkeeping.
+RENDERED = {"postgres": (tuple(NATIVE + m for m in ("claims", "reaper", "writer")),
+                         OWNERSHIP + ":NATIVE"),
+            "airflow": (tuple(AIRFLOW + m for m in ("claims", "reaper", "writer")),
+                        AIRFLOW + "bookkeeping:AIRFLOW")}
+# The ownership templates that decide fencing and leases (the rest: no-op hand-backs).
+SHARED = ("CLAIM_PROBATION", "REAP_DEAD", "RELEASE", "RELEASE_LOST", "STRIKE", "TAKEN_SINCE",
+          "FAIL_UNLOADABLE")
+
+TARGETS: list[Target | TemplateTarget] = [
     *(Target(NATIVE + module, name, "postgres") for module, name in (
-        ("claims", "CLAIM"), ("claims", "CLAIM_PROBATION"), ("writer", "APPLY_EVENTS"),
-        ("reaper", "REAP_DEAD"), ("claims", "RELEASE"), ("claims", "RELEASE_LOST"),
-        ("claims", "SWEEP_CANCELLED"), ("reaper", "TIMEOUT_ORPHANS"), ("deferral", "CANCEL"),
-        ("claims", "STRIKE"), ("claims", "TAKEN_SINCE"))),
-    *(Target(AIRFLOW + module, name, "airflow") for module, name in (
-        ("claims", "CLAIM"), ("claims", "CLAIM_PROBATION"), ("reaper", "REAP_DEAD"),
-        ("claims", "RELEASE"), ("claims", "RELEASE_LOST"), ("claims", "STRIKE"),
-        ("claims", "TAKEN_SINCE"))),
+        ("claims", "CLAIM"), ("writer", "APPLY_EVENTS"), ("claims", "SWEEP_CANCELLED"),
+        ("reaper", "TIMEOUT_ORPHANS"), ("deferral", "CANCEL"))),
+    Target(AIRFLOW + "claims", "CLAIM", "airflow"),
+    *(TemplateTarget(name) for name in SHARED),
     # The lease and presence statements: the native store reads them from its statements
     # module, the Airflow store from its own namespace (it imports LEASE by name).
     *(Target(NATIVE + "lease", f"NATIVE.{f}", "postgres") for f in LEASE_FIELDS),
@@ -210,10 +257,10 @@ def _load(spec: str) -> Any:
     return getattr(mod, attr) if attr else mod
 
 
-def _methods_using(target: Target) -> set[str]:
-    if (target.store, target.name) in INDIRECT:
-        return {INDIRECT[target.store, target.name]}
-    cls = _load(STORES[target.store])
+def _methods_using(target: Target, store: str) -> set[str]:
+    if (store, target.name) in INDIRECT:
+        return {INDIRECT[store, target.name]}
+    cls = _load(STORES[store])
     constant, field, _ = _parts(target.path)
     # The store imports each statement module by its name; it keeps its lease statements
     # (a dataclass) as ``self._lease``, in methods of its base class.
@@ -285,7 +332,7 @@ def pytest_runtestloop(session: pytest.Session) -> bool | None:
     verify = config.getoption("--mutate-verify")
     results: list[Result] = []
     started = time.monotonic()
-    targets: list[Target | PolicyTarget] = [*TARGETS, *PolicyTarget.all(config)]
+    targets: list[Target | TemplateTarget | PolicyTarget] = [*TARGETS, *PolicyTarget.all(config)]
     for target in targets:
         name, store = target.name, target.store
         if only and name not in only:
@@ -303,7 +350,8 @@ def pytest_runtestloop(session: pytest.Session) -> bool | None:
                                          -kills[item.nodeid]))
             result = _try(target, original, mutant, cases)
             if result.outcome == "killed":
-                kills[next(i.nodeid for i in cases if i.nodeid.endswith("::" + result.by))] += 1
+                for by in result.by.split(" and "):
+                    kills[next(i.nodeid for i in cases if i.nodeid.endswith("::" + by))] += 1
             results.append(result)
             config.get_terminal_writer().line(
                 f"{result.outcome:8} {store}.{name} {mutant.description} {result.by}")
@@ -311,31 +359,56 @@ def pytest_runtestloop(session: pytest.Session) -> bool | None:
     return True
 
 
-def _try(target: Target | PolicyTarget, original: str, mutant: Mutant,
+def _try(target: Target | TemplateTarget | PolicyTarget, original: str, mutant: Mutant,
          cases: list[pytest.Item]) -> Result:
     """Put ``mutant`` in place, run ``cases`` until one fails, put the original back."""
     result = Result(target.store, target.name, mutant.description, "survived")
     try:
         target.set(mutant.text)
-    except asyncpg.PostgresError as exc:  # a policy PostgreSQL refuses (rolled back)
+    except (asyncpg.PostgresError, KeyError, ValueError) as exc:
+        # a policy PostgreSQL refuses (rolled back), a template the mutant left unrenderable
         result.outcome, result.by = "invalid", type(exc).__name__
         return result
     try:
-        for item, passed, text in _run(cases):
-            if not passed:
-                invalid = _INVALID.search(text)
-                result.outcome = "invalid" if invalid else "killed"
-                result.by = invalid.group() if invalid else item.nodeid.split("::")[-1]
-                break
-        if not cases:
-            result.by = "(no case calls it)"
+        # a template's mutant is killed only when a case of each store fails on it
+        # (for a store the mutant leaves its statement as it was, it cannot be)
+        groups = [[i for i in cases if _store_of(i) == store] for store in RENDERED
+                  if target.changes(store, mutant.text)] \
+            if isinstance(target, TemplateTarget) else [cases]
+        if not groups:
+            result.by = "(renders the same for both stores)"
+            return result
+        killers: list[str] = []
+        for group in groups:
+            for item, passed, text in _run(group):
+                if not passed:
+                    invalid = _INVALID.search(text)
+                    if invalid:
+                        result.outcome, result.by = "invalid", invalid.group()
+                        return result
+                    killers.append(item.nodeid.split("::")[-1])
+                    break
+            else:
+                result.by = (f"none of {_store_of(group[0])}'s {len(group)} cases" if group
+                             else "(no case calls it)")
+                return result
+        result.outcome, result.by = "killed", " and ".join(killers)
     finally:
         target.set(original)
     return result
 
 
+def _store_of(item: pytest.Item) -> str:
+    """The store a case runs against: its contract parameter, else Airflow mode's for the
+    Airflow test modules ``EXTRA_CASES`` names."""
+    for store in RENDERED:
+        if f"[{store}" in item.nodeid:
+            return store
+    return "airflow" if item.nodeid.startswith("tests/test_airflow") else "postgres"
+
+
 def _cases(items: list[pytest.Item], recorder: Recorder,
-           target: Target | PolicyTarget) -> list[pytest.Item]:
+           target: Target | TemplateTarget | PolicyTarget) -> list[pytest.Item]:
     """The cases that run a statement: its own module's, else the store's cases that called
     a method using it in the baseline; then those of ``EXTRA_CASES``."""
     store, name = target.store, target.name
@@ -343,10 +416,17 @@ def _cases(items: list[pytest.Item], recorder: Recorder,
         return [i for i in items if i.nodeid.startswith(tuple(POLICY_CASES))]
     if name in OWN_CASES:
         return [i for i in items if i.nodeid.startswith(OWN_CASES[name] + "::")]
-    callers = set().union(*(recorder.calls[f"{store}.{m}"] for m in _methods_using(target)))
-    extra = tuple(EXTRA_CASES.get((store, name), ()))
-    return ([i for i in items if i.nodeid in callers and f"[{store}" in i.nodeid]
-            + [i for i in items if extra and i.nodeid.startswith(extra)])
+    stores = tuple(RENDERED) if isinstance(target, TemplateTarget) else (store,)
+    cases: list[pytest.Item] = []
+    for one in stores:  # a template's: the native store's cases, then Airflow mode's
+        statement = target if isinstance(target, Target) else Target(
+            next(m for m in RENDERED[one][0] if hasattr(_load(m), name)), name, one)
+        callers = set().union(*(recorder.calls[f"{one}.{m}"]
+                                for m in _methods_using(statement, one)))
+        extra = tuple(EXTRA_CASES.get((one, name), ()))
+        cases += [i for i in items if i.nodeid in callers and f"[{one}" in i.nodeid]
+        cases += [i for i in items if extra and i.nodeid.startswith(extra) and i not in cases]
+    return cases
 
 
 def _wanted(item: pytest.Item) -> bool:

@@ -80,7 +80,7 @@ _SHIFTS = (
 # Trigger.submit_failure does ("Trigger failure") with the reason in the traceback's text.
 _AIRFLOW_REASONS = (
     ("triggerflow quarantined this trigger", FailureReason.TRIGGER_QUARANTINED),
-    ("triggerflow: no live consumer of queue", FailureReason.TRIGGER_UNLOADABLE),
+    ("triggerflow could not load this trigger", FailureReason.TRIGGER_UNLOADABLE),
 )
 
 

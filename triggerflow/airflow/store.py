@@ -217,7 +217,7 @@ class AirflowStore(SqlStore):
     async def claim_probation(self, me: int, queues: Sequence[str],
                               limit: int | None = None) -> list[TriggerSpec]:
         rows = await self._fetch(self._sql(claims.CLAIM_PROBATION), me, list(queues),
-                                 self.default_queue, limit or 2**31 - 1, self.team)
+                                 limit or 2**31 - 1, self.default_queue, self.team)
         return await self._specs(list(rows))
 
     async def clear_probation(self, me: int, ids: Sequence[int]) -> None:
@@ -269,7 +269,7 @@ class AirflowStore(SqlStore):
     async def strike(self, me: int, trigger_id: int, attempt: int, blocked: float,
                      max_blocks: int, queues: Sequence[str]) -> Struck | None:
         rows = await self._fetch(claims.STRIKE, me, trigger_id, attempt, blocked, max_blocks,
-                                 self.default_queue, list(queues))
+                                 list(queues), self.default_queue)
         return next((Struck(r["id"], r["queue"], r["classpath"], r["blocks"], r["quarantined"],
                             r["freed"]) for r in rows), None)
 
@@ -346,12 +346,13 @@ class AirflowStore(SqlStore):
                         limit: int | None = None, taker: Taker | None = None,
                         max_blocks: int = MAX_BLOCKS) -> Reaped:
         # One statement for all they held (an Airflow consumer holds 1,000s, not a million:
-        # no batches); what the taker may run is its own in the same rewrite.
+        # no batches, unless asked); what the taker may run is its own in the same rewrite.
         if taker is not None and queues is None:
             raise ValueError("a taker reaps only its own queues")
         rows = await self._fetch(self._sql(reaper.REAP_DEAD), *scope(queues), max_failures,
-                                 self.default_queue, taker and taker.me,
-                                 taker.room if taker else 0, max_blocks, self.team)
+                                 limit or 2**31 - 1, taker and taker.me,
+                                 taker.room if taker else 0, max_blocks, self.default_queue,
+                                 self.team)
         freed = [FreedTrigger(r["id"], r["queue"], r["classpath"], r["failures"],
                               r["quarantined"]) for r in rows if not r["taken"]]
         taken = await self._specs([r for r in rows if r["taken"]])

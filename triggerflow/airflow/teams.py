@@ -51,7 +51,9 @@ class TeamRefused(SettingRefused):
     refuses too)."""
 
 
-def in_team(column: str, param: int) -> str:
+def in_team(column: str, param: int | str) -> str:
+    """(``param`` "$T": the team parameter of an ownership template, numbered as it is
+    rendered.)"""
     return f"@IN_TEAM({column},{param})@"
 
 

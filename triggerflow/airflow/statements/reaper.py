@@ -3,67 +3,11 @@
 
 from triggerflow.airflow.nontask import LIVE
 from triggerflow.airflow.schema import SCHEMA
-from triggerflow.airflow.statements.claims import SPEC, fail_quarantined
+from triggerflow.airflow.statements.bookkeeping import AIRFLOW
 from triggerflow.airflow.teams import in_team
-from triggerflow.store.interface import SUSPECT_FAILURES
-from triggerflow.store.postgres.statements.reaper import blame_columns, stalled, take_or_free
+from triggerflow.store.postgres.statements import ownership
 
-# Consumers whose lease expired: blame as the native REAP_DEAD does (a known loop-blocker it
-# held alone, else as probation says; $7 blocked runs quarantine a blocker), then take over
-# (a reaping consumer, $5, with room for $6) or free for re-sending. A quarantined trigger's
-# task fails the way Airflow fails a trigger (``Trigger.submit_failure``: '__fail__',
-# 'Trigger failure', the reason as its traceback). Taken: of the reaper's queues ($1), with work (LIVE), not a
-# suspect even after this death, not refused by the taker, within its room; owned by it at a
-# raised attempt in this same rewrite, as a claim would leave it (one rewrite, not two).
-# A consumer of an Airflow team ($8, teams.py) reaps only consumers of its team and takes only
-# rows of its team.
-REAP_DEAD = f"""
-WITH dead AS (
-    -- witnessed: another process with a lease no longer than this one's stayed valid across
-    -- its expiry (so the database took writes then); else an outage: no trigger to blame
-    SELECT d.id, d.probation, EXISTS (
-               SELECT 1 FROM {SCHEMA}.consumer w
-               WHERE w.id <> d.id AND w.expires_at > now() AND w.registered_at < d.expires_at
-                 AND w.expires_at - w.renewed_at <= d.expires_at - d.renewed_at
-           ) AS witnessed,
-           {stalled(f"{SCHEMA}.trigger_state")}
-    FROM {SCHEMA}.consumer d
-    WHERE d.expires_at < now() AND (d.queues && $1::text[] OR $2) AND {in_team("d.team", 8)}
-    FOR UPDATE OF d SKIP LOCKED
-), blamed AS (
-    SELECT s.trigger_id, s.owner_id, s.failures, s.rejected_by,
-           {blame_columns("s", "s.trigger_id")}
-    FROM {SCHEMA}.trigger_state s JOIN dead d ON s.owner_id = d.id
-), judged AS (
-    SELECT b.trigger_id, b.owner_id, b.blame, b.blame AND b.blocker AS block, t.classpath,
-           b.blame AND CASE WHEN b.blocker THEN b.blocks >= $7
-                            ELSE b.alone OR b.failures + 1 >= $3 END AS quarantine,
-           coalesce($5::bigint IS NOT NULL AND coalesce(t.queue, $4) = ANY($1::text[])
-               AND b.failures + (b.blame AND NOT b.blocker)::int < {SUSPECT_FAILURES}
-               AND NOT coalesce($5::bigint = ANY(b.rejected_by), false)
-               AND {LIVE} AND {in_team("t.team_name", 8)},
-               false) AS takeable  -- never NULL: it sets the attempt
-    FROM blamed b JOIN "trigger" t ON t.id = b.trigger_id
-), fate AS (
-    SELECT j.*, j.takeable AND NOT j.quarantine
-               AND row_number() OVER (PARTITION BY j.takeable ORDER BY j.trigger_id) <= $6 AS take
-    FROM judged j
-), freed AS (
-    UPDATE {SCHEMA}.trigger_state s SET {take_or_free(
-        "s", "published_at", "format('trigger %s (%s) ', f.trigger_id, f.classpath)")}
-    -- only while the dead consumer still owns it: a claim that committed while this waited
-    -- on the row is re-checked here (READ COMMITTED) and stands
-    FROM fate f WHERE s.trigger_id = f.trigger_id AND s.owner_id = f.owner_id
-    RETURNING s.trigger_id, s.attempt, s.failures, s.quarantined_at IS NOT NULL AS quarantined,
-              s.last_error, f.take
-), failed AS ({fail_quarantined("freed")}), gone AS (
-    DELETE FROM {SCHEMA}.consumer WHERE id IN (SELECT id FROM dead) RETURNING id
-)
-SELECT {SPEC.replace("c.attempt", "f.attempt")}, f.failures,
-       f.quarantined, f.take AS taken, (SELECT count(*) FROM gone) AS dead
-FROM freed f JOIN "trigger" t ON t.id = f.trigger_id
-LEFT JOIN task_instance ti ON ti.trigger_id = t.id AND coalesce(ti.state, '') = 'deferred'
-"""
+REAP_DEAD = AIRFLOW.render(ownership.REAP_DEAD)
 
 # The backstop for wake-ups: Airflow trigger rows of a deferred task that nobody owns and that
 # were not published within the grace period (including rows never seen: inserted while no
@@ -109,13 +53,7 @@ WHERE coalesce(t.queue, $2) IS NOT NULL AND s.owner_id IS NULL AND s.quarantined
   AND {LIVE}
 """
 
-QUEUE_CONSUMERS = f"""
-SELECT q, count(c.id) AS consumers
-FROM unnest($1::text[]) AS q
-LEFT JOIN {SCHEMA}.consumer c ON c.kind = 'consumer' AND c.expires_at > now() AND c.subscribed
-    AND q = ANY(c.queues)
-GROUP BY q
-"""
+QUEUE_CONSUMERS = AIRFLOW.render(ownership.QUEUE_CONSUMERS)
 
 
 # Trigger.clean_unused, whole-table, as Airflow's triggerer runs it each loop (the writer's

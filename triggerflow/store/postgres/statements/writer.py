@@ -1,6 +1,8 @@
 """The writer's statements (:class:`~triggerflow.store.EventStore`): apply events, fenced."""
 
 from triggerflow.model import FAIL_METHOD
+from triggerflow.store.postgres.statements import ownership
+from triggerflow.store.postgres.statements.ownership import NATIVE
 
 # One statement per batch: delete the named triggers, only at the current attempt and of
 # the event's own queue (fencing), and move each task that is still deferred on one of them.
@@ -52,33 +54,4 @@ WITH ev AS (
 SELECT kind, queue, latency FROM moved
 """
 
-# The end of both stores' HELD_ELSEWHERE: given ``matching`` (the rows the events name, by
-# trigger id) and ``got_row`` (those of them this transaction locked), lock their task rows
-# that no other transaction holds and return the events' ids whose rows are held elsewhere.
-HELD_TAIL = """, got_task AS MATERIALIZED (
-    SELECT ti.trigger_id FROM task_instance ti WHERE ti.trigger_id IN (SELECT id FROM got_row)
-    FOR UPDATE SKIP LOCKED
-)
-SELECT m.id FROM matching m
-WHERE m.id NOT IN (SELECT id FROM got_row)
-   OR EXISTS (SELECT 1 FROM task_instance ti WHERE ti.trigger_id = m.id
-              AND ti.trigger_id NOT IN (SELECT trigger_id FROM got_task))
-"""
-
-# Run before APPLY_EVENTS in one transaction when a team holds locks on its own rows: locks
-# what no other transaction holds (SKIP LOCKED: never waits) and returns the events whose
-# trigger or task row is held elsewhere; the writer retries those later. Events that match
-# no trigger (stale, duplicate) are not held: APPLY_EVENTS ignores them.
-HELD_ELSEWHERE = (
-    """
-WITH ev AS (
-    SELECT * FROM unnest($1::bigint[], $2::int[], $3::text[]) AS e(trigger_id, attempt, queue)
-), matching AS MATERIALIZED (
-    SELECT t.id FROM trigger t JOIN ev
-        ON t.id = ev.trigger_id AND t.attempt = ev.attempt AND t.queue = ev.queue
-), got_row AS MATERIALIZED (
-    SELECT t.id FROM trigger t WHERE t.id IN (SELECT id FROM matching)
-    FOR UPDATE SKIP LOCKED
-)"""
-    + HELD_TAIL
-)
+HELD_ELSEWHERE = NATIVE.render(ownership.HELD_ELSEWHERE)
