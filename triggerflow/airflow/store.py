@@ -31,11 +31,11 @@ from typing import TYPE_CHECKING, Any
 import asyncpg
 
 from triggerflow.airflow import cancels
-from triggerflow.airflow.events import CLEAN_UNUSED, AirflowEvent, needs_airflow
-from triggerflow.airflow.events import apply_events as apply_airflow_events
-from triggerflow.airflow.nontask import GONE_WATCHERS, NON_TASK_IDS
+from triggerflow.airflow.applying import apply_batch, with_airflow
+from triggerflow.airflow.events import CLEAN_UNUSED, AirflowEvent
+from triggerflow.airflow.nontask import GONE_WATCHERS
 from triggerflow.airflow.setup import check_airflow_schema
-from triggerflow.airflow.statements import claims, reaper, writer
+from triggerflow.airflow.statements import claims, reaper
 from triggerflow.airflow.statements.lease import LEASE
 from triggerflow.airflow.teams import TeamScope, has_teams, render, scope_for
 from triggerflow.airflow.unused import UnusedTriggers
@@ -48,8 +48,6 @@ from triggerflow.store import (
     KwargsProblem,
     ProcessKind,
     Reaped,
-    StoreError,
-    StoreUnavailable,
     Struck,
     Taker,
     TriggerRef,
@@ -62,7 +60,7 @@ from triggerflow.store.postgres.pool import (
     session_settings,
     store_errors,
 )
-from triggerflow.wire import Event, first_per_attempt
+from triggerflow.wire import Event
 
 log = logging.getLogger(__name__)
 
@@ -287,58 +285,17 @@ class AirflowStore(SqlStore):
                      skip_held: bool) -> tuple[list[Applied], list[Event]]:
         batch = [AirflowEvent(e.trigger_id, e.attempt, e.queue, e.kind, e.payload, e.fired_at)
                  for e in events]
-        held: set[int] = set()
         self._applying += 1
         try:
-            # The hot path stays one transaction of its own; an outer one only when skipping.
-            async with (self._errors(), self.pool.acquire() as conn,
-                        conn.transaction() if skip_held else contextlib.nullcontext()):
-                if skip_held:  # lock what is free first (SKIP LOCKED), as the native store does
-                    held = {r["id"] for r in await conn.fetch(
-                        writer.HELD_ELSEWHERE, [e.trigger_id for e in batch],
-                        [e.attempt for e in batch], [e.queue for e in batch],
-                        self.default_queue)}
-                    batch = [e for e in batch if e.trigger_id not in held]
-                # One event per attempt moves a task; every event of a non-task row counts.
-                firsts = first_per_attempt(batch)
-                rows = await apply_airflow_events(conn, firsts, self.default_queue, clean=False,
-                                                  release=self.airflow_release)
-                moved = {r["trigger_id"] for r in rows}
-                # Resumes that moved no task: those of asset-watcher and callback rows go to
-                # Airflow's own Trigger.submit_event (the rest were stale).
-                unmoved = [e.trigger_id for e in firsts if e.kind == "resume"
-                           and e.trigger_id not in moved]
-                non_task = {r["id"] for r in await conn.fetch(NON_TASK_IDS, unmoved)} \
-                    if unmoved else set()
+            async with self._errors(), self.pool.acquire() as conn:
+                done = await apply_batch(conn, batch, default_queue=self.default_queue,
+                                         release=self.airflow_release, skip_held=skip_held)
         finally:
             self._applying -= 1
-        self.unused.add(e.trigger_id for e in batch)
-        applied = [Applied(r["kind"], r["queue"], r["latency"]) for r in rows]
-        if non_task:
-            # each with Trigger.submit_event: asset events, DAG runs queued, callback states
-            applied += await self._with_airflow("apply_watcher_events", [
-                e for e in batch if e.kind == "resume" and e.trigger_id in non_task])
-        rest = needs_airflow(firsts, moved)
-        if rest:
-            applied += await self._with_airflow("apply_with_airflow", rest)
-        return applied, [e for e in events if e.trigger_id in held]
-
-    async def _with_airflow(self, function: str,
-                            events: list[AirflowEvent]) -> list[Applied]:
-        """Events applied one by one by Airflow's own code (``orm.<function>``), in a thread:
-        failures of tasks that may retry, asset-watcher and callback events."""
-        from sqlalchemy.exc import OperationalError, SQLAlchemyError
-
-        from triggerflow.airflow import orm
-
-        try:
-            done = await asyncio.to_thread(getattr(orm, function), self.dsn, events,
-                                           self.default_queue)
-        except OperationalError as exc:
-            raise StoreUnavailable(repr(exc)) from exc
-        except SQLAlchemyError as exc:
-            raise StoreError(repr(exc)) from exc
-        return [Applied(e.kind, e.queue, time.time() - e.fired_at) for e in done]
+        self.unused.add(e.trigger_id for e in batch if e.trigger_id not in done.held)
+        applied = [Applied(r["kind"], r["queue"], r["latency"]) for r in done.rows]
+        applied += await with_airflow(done, self.dsn, self.default_queue)
+        return applied, [e for e in events if e.trigger_id in done.held]
 
     # -- reaper ----------------------------------------------------------------------------
 
