@@ -11,7 +11,7 @@ import pytest
 
 from triggerflow.airflow.statements.bookkeeping import AIRFLOW
 from triggerflow.store.postgres.statements import ownership
-from triggerflow.store.postgres.statements.ownership import NATIVE, Template
+from triggerflow.store.postgres.statements.bookkeeping import NATIVE, Template
 
 MODULES = {"claims", "reaper", "writer"}
 

@@ -167,7 +167,7 @@ def _parts(path: str) -> tuple[str, str, str]:
 OWNERSHIP = NATIVE + "ownership"
 # Where each store's renderings of the ownership templates live, and its bookkeeping.
 RENDERED = {"postgres": (tuple(NATIVE + m for m in ("claims", "reaper", "writer")),
-                         OWNERSHIP + ":NATIVE"),
+                         NATIVE + "bookkeeping:NATIVE"),
             "airflow": (tuple(AIRFLOW + m for m in ("claims", "reaper", "writer")),
                         AIRFLOW + "bookkeeping:AIRFLOW")}
 # The ownership templates that decide fencing and leases (the rest: no-op hand-backs).

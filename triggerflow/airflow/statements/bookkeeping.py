@@ -6,7 +6,7 @@ from triggerflow.airflow.nontask import LIVE
 from triggerflow.airflow.schema import SCHEMA
 from triggerflow.airflow.teams import consumer_serves, in_team
 from triggerflow.model import FAIL_METHOD, FailureReason
-from triggerflow.store.postgres.statements.ownership import Bookkeeping
+from triggerflow.store.postgres.statements.bookkeeping import Bookkeeping
 
 
 def _fail(traceback: str) -> str:

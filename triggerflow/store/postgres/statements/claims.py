@@ -3,7 +3,7 @@
 
 from triggerflow.store.interface import SUSPECT_FAILURES
 from triggerflow.store.postgres.statements import ownership
-from triggerflow.store.postgres.statements.ownership import NATIVE
+from triggerflow.store.postgres.statements.bookkeeping import NATIVE
 
 MY_LEASE = ownership.MY_LEASE.format(consumer="consumer")
 

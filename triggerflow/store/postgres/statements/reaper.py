@@ -4,7 +4,7 @@ lost wake-ups, orphaned tasks, waiting queues."""
 from triggerflow.model import FAIL_METHOD, FailureReason
 from triggerflow.store.interface import ORPHAN_SLACK
 from triggerflow.store.postgres.statements import ownership
-from triggerflow.store.postgres.statements.ownership import NATIVE
+from triggerflow.store.postgres.statements.bookkeeping import NATIVE
 
 REAP_DEAD = NATIVE.render(ownership.REAP_DEAD)
 

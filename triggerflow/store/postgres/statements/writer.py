@@ -2,7 +2,7 @@
 
 from triggerflow.model import FAIL_METHOD
 from triggerflow.store.postgres.statements import ownership
-from triggerflow.store.postgres.statements.ownership import NATIVE
+from triggerflow.store.postgres.statements.bookkeeping import NATIVE
 
 # One statement per batch: delete the named triggers, only at the current attempt and of
 # the event's own queue (fencing), and move each task that is still deferred on one of them.
