@@ -24,7 +24,7 @@ class Template:
 
 @dataclass(frozen=True)
 class Bookkeeping:
-    """Where a mode records who owns each trigger row (see the module's docstring).
+    """Where a mode records who owns each trigger row (what both modes record: ``ownership``).
 
     ``state``: the table (aliased ``s``); ``key``: its trigger id column; ``ids``: the array
     type of trigger ids; ``sent``: the column a (re-)send stamps; ``consumer``: the lease
