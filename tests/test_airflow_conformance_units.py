@@ -39,3 +39,18 @@ def test_a_task_instance_only_one_side_has_is_a_difference() -> None:
         f"{mapped}: only under triggerflow ({end})"]
     assert differences({KEY: end, mapped: end}, {KEY: end}) == [
         f"{mapped}: only under Airflow's triggerer ({end})"]
+
+
+def test_a_try_one_side_skipped_is_left_out_and_every_recorded_try_compared() -> None:
+    # Airflow's triggerer: try 1 failed to start (no history row), tries 2 and 3 timed out
+    oracle = TaskEnd("failed", 3, {}, ((2, "failed"),), False)
+    ours = TaskEnd("failed", 3, {}, ((1, "failed"), (2, "failed")), False)
+    assert differences({KEY: oracle}, {KEY: ours}) == []
+    assert differences({KEY: ours}, {KEY: oracle}) == []
+    # a try both recorded, in another state
+    found = differences({KEY: oracle}, {KEY: replace(ours, history=((1, "failed"), (2, "success")))})
+    assert len(found) == 1 and " history: " in found[0], found
+    # a try past the other side's try number is no skip
+    found = differences({KEY: replace(oracle, try_number=2, history=((1, "failed"),))},
+                        {KEY: replace(ours, try_number=2, history=((1, "failed"), (2, "failed")))})
+    assert len(found) == 1 and " history: " in found[0], found
