@@ -66,10 +66,12 @@ class AirflowSizes:
     repeats: int = 3  # bursts per N served by triggerflow (and native), medians printed
     waiting: int = 10_000  # triggers held while statements/s and RSS are measured
     window: float = 30.0  # seconds statements are counted while they wait
+    runtime_requests: int = 100  # requests of each kind per LatencyTrigger (airflow_runtime)
 
 
 FULL = AirflowSizes()
-QUICK = AirflowSizes(counts=(100,), limit=60.0, repeats=1, waiting=100, window=3.0)
+QUICK = AirflowSizes(counts=(100,), limit=60.0, repeats=1, waiting=100, window=3.0,
+                     runtime_requests=20)
 
 
 def _tree_rss(pgid: int) -> int:
@@ -263,9 +265,9 @@ def run_airflow_bench(settings: Settings, quick: bool) -> int:
                        serve=lambda stack: serve_with_triggerflow(stack, amqp_url),
                        repeats=sizes.repeats, window=sizes.window if n == sizes.waiting else None)
         rows += [theirs, ours]
-    runtime = measure_runtime(server_url, amqp_url, console.log)
+    runtime = measure_runtime(server_url, amqp_url, console.log, sizes.runtime_requests)
     tables = [table_airflow(rows, native), table_targets(rows, native, sizes.waiting),
-              table_runtime(runtime)]
+              table_runtime(runtime, sizes.runtime_requests)]
     for table in tables:
         console.print(table)
     if not quick:  # only a full run replaces the record (bench/results.json)

@@ -119,12 +119,12 @@ def table_targets(rows: list[dict[str, Any]], native: dict[int, dict[str, Any]],
     return t
 
 
-def table_runtime(rows: list[dict[str, Any]]) -> Any:
+def table_runtime(rows: list[dict[str, Any]], requests: int) -> Any:
     """The trigger runtime's request latency as trigger code sees it (``airflow_runtime``)."""
     from rich.table import Table
 
     t = Table(title="The trigger runtime's requests, timed by the trigger (tf_runtime_latency: "
-              "10 LatencyTriggers at once, 100 of each request each), on one Airflow stack")
+              f"10 LatencyTriggers at once, {requests} of each request each), on one Airflow stack")
     for col in ("served by", "request", "n", "p50", "p99", "max"):
         t.add_column(col, justify="left" if col in ("served by", "request") else "right")
     for r in rows:

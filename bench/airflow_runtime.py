@@ -83,12 +83,18 @@ def _serve_with_triggerflow(amqp_url: str) -> Callable[[AirflowStack], Callable[
     return serve
 
 
-def measure_runtime(server_url: str, amqp_url: str, log: Any = print) -> list[dict[str, Any]]:
-    """One row per (served by, request): n, p50, p99 and max in milliseconds."""
+TRIGGERS, REQUESTS_EACH = 10, 100  # the DAG's LatencyTriggers; each one's requests of a kind
+
+
+def measure_runtime(server_url: str, amqp_url: str, log: Any = print,
+                    requests: int = REQUESTS_EACH) -> list[dict[str, Any]]:
+    """One row per (served by, request): n, p50, p99 and max in milliseconds; each trigger
+    times ``requests`` requests of each kind."""
     dags = Path(tempfile.mkdtemp(prefix="tf-runtime-latency-dags-"))
     (dags / "triggerflow_runtime.py").symlink_to(
         CHECKOUT / "tests" / "airflow_dags" / "triggerflow_runtime.py")
-    stack = AirflowStack(server_url, dags, extra_env={"PYTHONPATH": str(CHECKOUT)})
+    stack = AirflowStack(server_url, dags, extra_env={"PYTHONPATH": str(CHECKOUT),
+                                                      "TF_LATENCY_REQUESTS": str(requests)})
     rows: list[dict[str, Any]] = []
     try:
         stack.migrate()

@@ -28,6 +28,7 @@ bench/airflow_runtime.py).
 
 from __future__ import annotations
 
+import os
 import time
 from datetime import datetime
 
@@ -85,7 +86,9 @@ with DAG("tf_runtime_http", schedule=None, start_date=START, catchup=False, defa
     HttpSensor(task_id="http_sensor", http_conn_id=HTTP_CONN_ID, endpoint=HTTP_ENDPOINT,
                deferrable=True, poke_interval=1, timeout=180)
 
-LATENCY_TRIGGERS, LATENCY_REQUESTS = 10, 100
+# `bench airflow --quick` asks for fewer requests per trigger (TF_LATENCY_REQUESTS)
+LATENCY_TRIGGERS = 10
+LATENCY_REQUESTS = int(os.environ.get("TF_LATENCY_REQUESTS", "100"))
 with DAG("tf_runtime_latency", schedule=None, start_date=START, catchup=False,
          default_args=ARGS, max_active_tasks=LATENCY_TRIGGERS):
     DeferToTrigger.partial(task_id="latency", trigger="LatencyTrigger").expand(trigger_kwargs=[
