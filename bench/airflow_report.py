@@ -123,8 +123,11 @@ def table_runtime(rows: list[dict[str, Any]], requests: int) -> Any:
     """The trigger runtime's request latency as trigger code sees it (``airflow_runtime``)."""
     from rich.table import Table
 
+    from bench.airflow_runtime import TRIGGERS
+
     t = Table(title="The trigger runtime's requests, timed by the trigger (tf_runtime_latency: "
-              f"10 LatencyTriggers at once, {requests} of each request each), on one Airflow stack")
+              f"{TRIGGERS} LatencyTriggers at once, {requests} of each request each), "
+              "on one Airflow stack")
     for col in ("served by", "request", "n", "p50", "p99", "max"):
         t.add_column(col, justify="left" if col in ("served by", "request") else "right")
     for r in rows:
