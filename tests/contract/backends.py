@@ -116,6 +116,10 @@ class MemoryBackend:
     async def end_task(self, trigger_id: int, state: str) -> None:
         self.memory.task(self._keys[trigger_id]).state = state
 
+    async def trigger_ids(self) -> list[int]:
+        """Every trigger row there is, by id."""
+        return sorted(self.memory.triggers)
+
     async def untime(self, trigger_id: int) -> None:
         """The task waits with no timeout (as a row an older SDK stored)."""
         self.memory.task(self._keys[trigger_id]).trigger_timeout = None
@@ -199,6 +203,13 @@ class NativeBackend(MemoryBackend):
                    "timeout_at"),
             _shift("task_instance", "updated_at", "trigger_timeout", "start_date"),
             args=(seconds,))
+
+    async def trigger_ids(self) -> list[int]:
+        conn = await asyncpg.connect(self.dsn)
+        try:
+            return [r["id"] for r in await conn.fetch("SELECT id FROM trigger ORDER BY id")]
+        finally:
+            await conn.close()
 
     async def end_task(self, trigger_id: int, state: str) -> None:
         await _execute(self.dsn, "UPDATE task_instance SET state = $1 WHERE trigger_id = $2",

@@ -7,7 +7,7 @@ from typing import Protocol, cast
 
 import pytest
 
-from tests.contract.backends import Backend, register
+from tests.contract.backends import Backend, MemoryBackend, register
 from tests.contract.conftest import only
 from tests.contract.events import event
 from triggerflow.store import Taker, TriggerRef
@@ -131,6 +131,28 @@ async def test_a_trigger_blamed_max_failures_times_is_quarantined(backend: Backe
     assert (await backend.task(ended)).state == "success"  # not deferred: left alone
     assert (await backend.store.claim(witness, [t], [A])).claimed == []
     assert await backend.store.resend_unclaimed(None, 0, 10) == []  # never re-sent
+
+
+async def test_a_quarantined_row_no_task_waits_on_goes(backend: Backend) -> None:
+    """A row its task left (deferred again) is blamed like any other, but once quarantined
+    nothing waits on it: it goes, and the task's new trigger is untouched."""
+    only(backend, "memory", "postgres", why="Airflow's clean_unused (the writer runs it) "
+                                           "drops a trigger row no task instance refers to")
+    assert isinstance(backend, MemoryBackend)  # and its subclass NativeBackend
+    store = backend.store
+    left, kept = await backend.defer(A), await backend.defer(A)
+    witness = await register(backend, [A], TTL)
+    owner = await register(backend, [A], TTL)
+    await store.claim(owner, [left, kept], [A])
+    again = await backend.defer_again(left, store)  # the task now waits on `again`
+    await live_through(backend, 30, witness)
+    assert freed(await store.reap_dead([A], max_failures=1)) == [(left, 1, True), (kept, 1, True)]
+    assert (await backend.task(again)).state == "deferred"
+    assert (await backend.task(kept)).next_method == "__fail__"
+    # `kept` stays quarantined, for `trigger release`; `left` is gone, not claimed or re-sent
+    assert await backend.trigger_ids() == sorted([kept, again])
+    assert [s.id for s in (await store.claim(witness, [left, kept, again], [A])).claimed] == [again]
+    assert await store.resend_unclaimed(None, 0, 10) == []
 
 
 async def test_a_death_nobody_witnessed_blames_no_trigger(backend: Backend) -> None:

@@ -6,7 +6,8 @@ reaper that finds a known blocker on a dead consumer blames it alone. Every stor
 
 from __future__ import annotations
 
-from tests.contract.backends import Backend, register
+from tests.contract.backends import Backend, MemoryBackend, register
+from tests.contract.conftest import only
 from tests.contract.events import event
 from tests.contract.test_failover import TTL, dies_holding, freed, live_through
 from triggerflow.store import Taker
@@ -269,3 +270,20 @@ async def test_a_run_struck_under_a_new_registration_is_counted_once(backend: Ba
     [again] = (await store.claim(new, [t], [A])).claimed
     struck = await store.strike(new, t, again.attempt, 1.0, 3, [A])
     assert struck is not None and (struck.blocks, struck.quarantined) == (2, False)
+
+
+async def test_a_blocker_no_task_waits_on_goes_once_quarantined(backend: Backend) -> None:
+    """Struck to quarantine after its task deferred again: nothing waits on the row, so it
+    goes (the task's new trigger untouched)."""
+    only(backend, "memory", "postgres", why="Airflow's clean_unused (the writer runs it) "
+                                           "drops a trigger row no task instance refers to")
+    assert isinstance(backend, MemoryBackend)
+    store = backend.store
+    t = await backend.defer(A)
+    me = await register(backend, [A], TTL)
+    await store.claim(me, [t], [A])
+    again = await backend.defer_again(t, store)
+    struck = await store.strike(me, t, 1, 8.04, 1, [A])
+    assert struck is not None and struck.quarantined
+    assert await backend.trigger_ids() == [again]
+    assert (await backend.task(again)).state == "deferred"

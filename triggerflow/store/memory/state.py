@@ -152,8 +152,13 @@ class MemoryState:
         return queues is None or queue in queues
 
     def _fail_quarantined(self, t: StoredTrigger, message: str) -> None:
+        """Fail the task of ``t``, just quarantined; a row no task points at (its task
+        deferred again, or a retried deferral's spare) goes, as nothing waits on it."""
         task = self._task_on(t.id)
-        if task is None or task.state != TaskState.DEFERRED:
+        if task is None:
+            del self.triggers[t.id]
+            return
+        if task.state != TaskState.DEFERRED:
             return
         task.next_kwargs = {
             "error": FailureReason.TRIGGER_QUARANTINED,

@@ -127,6 +127,8 @@ class PostgresStore(SqlStore):
                      max_blocks: int, queues: Sequence[str]) -> Struck | None:
         row = await self._fetchrow(claims.STRIKE, me, trigger_id, attempt, blocked, max_blocks,
                                    list(queues))
+        if row is not None and row["quarantined"]:
+            await self._execute(reaper.DROP_UNWAITED, [row["id"]])
         return None if row is None else Struck(row["id"], row["queue"], row["classpath"],
                                                row["blocks"], row["quarantined"], row["freed"])
 
@@ -174,6 +176,8 @@ class PostgresStore(SqlStore):
         rows = await self._fetch(reaper.REAP_DEAD, *scope(queues), max_failures,
                                  limit or 2**31 - 1, taker and taker.me,
                                  taker.room if taker else 0, max_blocks)
+        if quarantined := [r["id"] for r in rows if r["quarantined"]]:
+            await self._execute(reaper.DROP_UNWAITED, quarantined)
         freed = [FreedTrigger(r["id"], r["queue"], r["classpath"], r["failures"],
                               r["quarantined"]) for r in rows if not r["taken"]]
         taken = [self._spec(r) for r in rows if r["taken"]]

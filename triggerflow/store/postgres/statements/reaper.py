@@ -8,6 +8,16 @@ from triggerflow.store.postgres.statements.bookkeeping import NATIVE
 
 REAP_DEAD = NATIVE.render(ownership.REAP_DEAD)
 
+# Just quarantined (REAP_DEAD, STRIKE) with no task pointing at it: a row its task left when
+# it deferred again, or the spare of a deferral retried after a lost commit reply. Nothing
+# waits on it and there is nothing to release: it goes, instead of staying as a quarantined
+# row that names no task (Airflow mode: Airflow's ``clean_unused`` drops such a row).
+DROP_UNWAITED = """
+DELETE FROM trigger t
+WHERE t.id = ANY($1::bigint[]) AND t.quarantined_at IS NOT NULL
+  AND NOT EXISTS (SELECT 1 FROM task_instance ti WHERE ti.trigger_id = t.id)
+"""
+
 # Triggers nobody claimed within the grace period (a publish lost after commit, a consumer
 # that acked and died before claiming): mark them dispatched again and return them to re-send.
 RESEND_UNCLAIMED = """
