@@ -97,6 +97,40 @@ async def test_garbage_wrong_version_unknown_and_disallowed_classes(
     assert consumer.poll() is None
 
 
+async def test_a_dead_letter_the_broker_cannot_take_is_filed_later_not_lost(
+    db: Database, procs: Processes, teams: list[str], settings: Settings,
+) -> None:
+    """The dead-letter exchange is gone while the writer refuses a message: the message is
+    held unacked (not acked with its reason lost) and filed once the exchange is back, and
+    the writer applies valid events meanwhile."""
+    writer = procs.writer()
+    q = teams[0]
+    broker = RabbitTransport(settings.amqp_dsn(), Topology(settings.namespace))
+    await broker.connect()
+    try:
+        conn = await aio_pika.connect(settings.amqp_dsn())
+        async with conn:
+            await (await conn.channel()).exchange_delete(broker.topology.dead)
+        await broker.publish(broker.topology.events, q, b"\x00\xffnot an event batch")
+        async def refused() -> bool:  # the writer read it, and refused it
+            return "undecodable" in procs.log(writer)
+
+        await wait_until(refused, 20)
+        good = await insert_trigger(db, "tests.triggers.EventAfter", "{}", q, 300)
+        await broker.publish_events(q, [Event(good, 0, q, "resume", '{"ok": 1}', time.time())])
+        await wait_until(lambda: db.fetchval(
+            "SELECT state = 'scheduled' FROM task_instance WHERE task_id = 't300'"), 15)
+        assert await dead_letters(settings, 1, timeout=1) == []
+        await broker.declare(teams)  # `triggerflow topology apply`: the exchange is back
+    finally:
+        await broker.close()
+    letters = await dead_letters(settings, 1, timeout=60)
+    assert letters and "undecodable" in letters[0][1], letters
+    assert b"not an event batch" in letters[0][0]
+    assert "could not be filed" in procs.log(writer)  # the fault was met, not missed
+    assert writer.poll() is None
+
+
 async def test_sdk_refuses_bad_deferrals_before_writing(
     client: TriggerflowClient, db: Database, teams: list[str], settings: Settings
 ) -> None:

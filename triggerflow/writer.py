@@ -43,7 +43,7 @@ from triggerflow.telemetry import context_from, get_metrics, tracer, tracing_ena
 from triggerflow.transport import Delivery, Transport, TransportUnavailable
 from triggerflow.transport.subscriptions import Subscriptions
 from triggerflow.wire import Event, encode_events, encode_json
-from triggerflow.writer_lanes import Lanes, Received, Work, decode, new_work, resolve
+from triggerflow.writer_lanes import Lanes, Letter, Received, Work, decode, new_work, resolve
 
 log = logging.getLogger(__name__)
 
@@ -287,7 +287,7 @@ class Writer:
             waited = asyncio.get_running_loop().time() - gone.held_since
             reason = (f"held: rows of queue {gone.queue} locked by another transaction for "
                       f"{waited:.0f} s; over {self.lanes.max_held} messages of it waiting")
-            await self._dead_letter(encode_events(gone.events), reason, gone.queue)
+            await self._letter(gone, encode_events(gone.events), reason)
             await self._resolve(gone)
 
     async def _refuse(self, work: Work, exc: EventRefused) -> None:
@@ -299,8 +299,7 @@ class Writer:
                 self.lanes.push_front(new_work(work.queue, half, work.messages))
         else:
             ev = events[0]
-            await self._dead_letter(encode_events([ev]), f"database refused event: {exc}",
-                                    ev.queue)
+            await self._letter(work, encode_events([ev]), f"database refused event: {exc}")
             if ev.kind != EventKind.FAIL:
                 # Its trigger has fired and is forgotten: fail the task readably instead of
                 # leaving it deferred forever.
@@ -315,15 +314,31 @@ class Writer:
         for received in resolve(work):
             await self._finish(received)
 
-    async def _finish(self, received: Received) -> None:
+    async def _letter(self, work: Work, body: bytes, reason: str) -> None:
+        """Dead-letter ``body`` now; if it cannot be filed, before any message of ``work`` is
+        acked (filed once)."""
+        letter = Letter(body, reason, work.queue)
+        await self._file([letter])
+        for received in work.messages:
+            received.letters.append(letter)
+
+    async def _finish(self, received: Received, wait: float = 0.5) -> None:
         """Every event of ``received`` is settled: dead-letter what it carried that could not
         be applied, then ack it (each message on its own: lanes finish out of order)."""
         routing_key = received.message.routing_key
         if received.reject:
-            await self._dead_letter(received.message.body[:DEAD_LETTER_KEEP], received.reject,
-                                    routing_key)
-        for ev, why in received.forged:
-            await self._dead_letter(encode_events([ev]), why, routing_key)
+            received.letters.append(Letter(received.message.body[:DEAD_LETTER_KEEP],
+                                           received.reject, routing_key))
+            received.reject = None
+        received.letters += [Letter(encode_events([ev]), why, routing_key)
+                             for ev, why in received.forged]
+        received.forged = []
+        if not await self._file(received.letters):
+            # Neither acked (what it carried would be gone with its reason) nor requeued
+            # (redelivered at once, it would spend its delivery limit in moments): held
+            # unacked and filed again later; if this writer stops, the broker hands it on.
+            self._applying.spawn(self._finish_later(received, wait))
+            return
         try:
             await received.message.ack()
         except TransportUnavailable as exc:
@@ -331,6 +346,10 @@ class Writer:
             # come back once the subscriptions reconnect; applied already, they match nothing.
             log.warning("ack of a committed batch failed (%r); its redelivery will be ignored",
                         exc)
+
+    async def _finish_later(self, received: Received, wait: float) -> None:
+        await asyncio.sleep(wait)
+        await self._finish(received, min(wait * 2, 30.0))
 
     def _record(self, applied: list[Applied], events: list[Event]) -> None:
         m = self.metrics
@@ -353,8 +372,19 @@ class Writer:
                     ):
                         pass
 
-    async def _dead_letter(self, body: bytes, reason: str, source: str) -> None:
-        log.warning("dead-lettering event(s) from %s: %s", source, reason)
-        self.metrics.dead_lettered.add(1, {"reason": reason.split(":")[0]})
-        with contextlib.suppress(Exception):
-            await self.transport.dead_letter(body, reason, source=source)
+    async def _file(self, letters: list[Letter]) -> bool:
+        """File the dead letters not yet filed; False when one could not be (logged)."""
+        for letter in letters:
+            if letter.filed:
+                continue
+            try:
+                await self.transport.dead_letter(letter.body, letter.reason, source=letter.source)
+            except Exception as exc:  # its exchange gone, the broker away, a full queue
+                log.warning("a dead letter from %s could not be filed (%r); its message is "
+                            "held unacked and filed again: %s", letter.source, exc,
+                            letter.reason)
+                return False
+            letter.filed = True
+            log.warning("dead-lettered event(s) from %s: %s", letter.source, letter.reason)
+            self.metrics.dead_lettered.add(1, {"reason": letter.reason.split(":")[0]})
+        return True

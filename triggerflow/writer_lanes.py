@@ -27,6 +27,16 @@ HELD_RETRY_MAX = 2.0
 
 
 @dataclass(eq=False)
+class Letter:
+    """A dead letter to file before the message(s) it came from are acked."""
+
+    body: bytes
+    reason: str
+    source: str
+    filed: bool = False  # shared by every message of a work: filed once
+
+
+@dataclass(eq=False)
 class Received:
     """One event message: its events, or why it is dead-lettered instead."""
 
@@ -35,6 +45,7 @@ class Received:
     reject: str | None = None
     forged: list[tuple[Event, str]] = field(default_factory=list)  # (event, why refused)
     open: int = 0  # works naming this message not yet resolved
+    letters: list[Letter] = field(default_factory=list)  # of its events the store refused
 
 
 @dataclass(eq=False)
